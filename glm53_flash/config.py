@@ -160,9 +160,13 @@ class GlmConfig:
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> None:
+        json_names = {"linear_num_heads": "linear_attn_config.num_heads",
+                      "linear_head_dim": "linear_attn_config.head_dim",
+                      "linear_conv_kernel_dim": "linear_attn_config.short_conv_kernel_size"}
+
         def need(cond: bool, name: str, value, why: str):
-            if not cond:
-                raise ConfigError(f"config field {name}={value!r}: {why}")
+            if not cond:   # name the field as config.json spells it
+                raise ConfigError(f"config field {json_names.get(name, name)}={value!r}: {why}")
 
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "linear_num_heads", "linear_head_dim",
                      "linear_conv_kernel_dim", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
@@ -220,7 +224,7 @@ class GlmConfig:
         """Refuse a tensor-parallel degree the shapes cannot be split by (DESIGN.md §6)."""
         if tp not in (1, 2, 4, 8):
             raise ConfigError(f"tp={tp}: must be 1, 2, 4 or 8")
-        for name, v in (("linear_num_heads", self.linear_num_heads), ("num_attention_heads", self.num_attention_heads),
+        for name, v in (("linear_attn_config.num_heads", self.linear_num_heads), ("num_attention_heads", self.num_attention_heads),
                         ("intermediate_size", self.intermediate_size),
                         ("moe_intermediate_size", self.moe_intermediate_size), ("vocab_size", self.vocab_size)):
             if v % tp:
