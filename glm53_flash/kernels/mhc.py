@@ -1,0 +1,371 @@
+"""mHC task family (hyper-connections around every sub-layer) as `@triton.jit` device functions:
+hc_pre split into column-tile partials and a tiny redundant finish, the gate row by column tiles, and
+the hc_post stream mix, alone or fused with the next hc_pre's partials.
+
+Why this split (DESIGN.md §5, §8: hops, not bytes, decide the step):
+- hc_pre needs a 24 x 4H fp32 GEMV over the flattened streams (1.5 MB of `hc_fn` at H=4096) and
+  the RMS of the same 4H row. A partial task owns a column tile [c0, c1) of all 4 streams (flat
+  indices j*H + c) and reduces it to 40 numbers per row in its own scratch slot: the 24 GEMV sums
+  and the 4x4 Gram matrix G[j, j'] = sum_c X[j, c] X[j', c]. Consumers join the slots in task order
+  0, 1, 2, ... (fixed, so every CTA gets the same bits) and run the 4x4 Sinkhorn themselves
+  (`hc_coeffs`): a few hundred flops instead of another hop.
+- The Gram matrix gives both norms for free: the flat row's sum of squares is trace(G), and the
+  collapsed row x_in = sum_j pre[j] X[j] has sum of squares pre^T G pre. So the gate row
+  a = RMSNorm(x_in) * w needs no row-wide pass: `hc_gate_tile` writes any column tile in one pass,
+  and many CTAs can share a row.
+- The partial's tile is the same column tile as hc_post's, so the task that forms X' for columns
+  [c0, c1) (`hc_post_partial`) reduces them for the next hc_pre while they are in registers: the
+  next mHC needs no extra stage (o_proj -> hc_post + partials -> gate row -> next GEMV).
+
+Numerics: fp32 throughout, as the reference (reference/ops.py hc_coeffs / hc_pre / hc_post). The
+reference normalises the flat row before the GEMV; we scale the raw sums by the same 1/rms after
+(equal up to rounding). pre^T G pre equals sum_c x_in[c]^2 up to rounding; it loses relative
+accuracy only where the weighted streams cancel (|x_in| << sum_j pre[j] |X[j]|), unlikely with pre > 0
+and streams that start as copies of one row; the tests check it against the direct sum. Every sum
+runs in a fixed order and a row never reads another row's data: bitwise reproducible and batch
+invariant.
+
+Registers (sm_90, Triton 3.6's bundled ptxas, compiled offline without a GPU: tests/test_kernels_kda.py
+test_offline_sm90_registers; 4 warps, H = 4096, no spills): hc_partial 117 and hc_post_partial 116 at
+BLOCK_C=32 (72 / 96 at BLOCK_C=16, 77 / 100 at BLOCK_C=32 and 8 warps): they hold two [32, 4 * BLOCK_C]
+fn tiles (the next one loads while the current one is used); the finish (hc_coeffs + a 512-column gate
+tile) 32; hc_post_tile (512 columns) 48.
+
+Layouts (fp32 unless noted; rows of X contiguous [4, H], row stride given by the caller):
+  hc_fn  [24, 4H]  rows 0-3 pre, 4-7 post, 8-23 comb (comb[j, i] at 8 + 4j + i); column j*H + c
+  part   [tasks, rows_max, HC_SLOT]: words 0-23 the GEMV partial sums, 24-39 G (24 + 4j + j')
+  coef   [rows, 24]  pre 0-3, post 4-7, comb 8-23 (hc_store_coef; what hc_post_partial reads)
+  base [24], scale [3]; norm weight [H] (bf16 or fp32); y, the sub-layer output [rows, H] (bf16/fp32)
+
+Device API (constexprs in CAPS; tiles are column ranges [c0, c1) of all 4 streams):
+  w0 = hc_partial_prefetch(fn_ptr, c0, c1, H, BLOCK_C)                # before waiting on X
+  hc_partial_finish(w0, fn_ptr, x_ptr, stride_x, part_ptr, stride_p, rows, c0, c1, H, ROWS_PAD, BLOCK_C)
+  hc_post_partial(w0, fn_ptr, x_ptr, y_ptr, stride_y, coef_ptr, stride_c, out_ptr, stride_x, part_ptr,
+                  stride_p, rows, c0, c1, H, ROWS_PAD, BLOCK_C)      # X' = hc_post(X), next partials
+  pre, post, comb, rstd = hc_coeffs(part_ptr, stride_task, n_parts, base_ptr, scale_ptr, H, eps, hc_eps, ITERS)
+  hc_gate_tile(x_ptr, pre, rstd, w_ptr, out_ptr, out32_ptr, c0, H, BLOCK_H, WRITE_F32)
+  hc_store_coef(coef_ptr, pre, post, comb)
+  hc_post_tile(x_ptr, y_ptr, out_ptr, c0, H, post, comb, BLOCK_H)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+HC_SLOT = 40      # fp32 words per (task, row) partial: 24 GEMV sums + the 4x4 Gram matrix
+_SLOT = tl.constexpr(HC_SLOT)   # the same, visible inside @triton.jit code
+
+
+# ---------------------------------------------------------------------------- partials
+@triton.jit
+def _fn_cols(fn_ptr, c, c1, H, BLOCK_C: tl.constexpr):
+    """hc_fn[n, j*H + c + t] for n < 32 (>= 24 read as 0) at tile column m = j * BLOCK_C + t (j < 4, t < BLOCK_C;
+    c + t >= c1 read as 0): [32, 4 * BLOCK_C] fp32. Two-dimensional on purpose: a [32, 4, BLOCK_C] tile
+    made the compiler convert the whole product between layouts (through shared memory)."""
+    n = tl.arange(0, 32)
+    m = tl.arange(0, 4 * BLOCK_C)
+    cc = c + m % BLOCK_C
+    col = (m // BLOCK_C) * H + cc
+    return tl.load(fn_ptr + n[:, None] * (4 * H) + col[None, :], mask=(n[:, None] < 24) & (cc[None, :] < c1),
+                   other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _accumulate(accm, accg, r, w, X, ROWS_PAD: tl.constexpr):
+    """Row r's sums of one chunk: accm[r] += fn . X ([32]), accg[r] += X X^T ([4, 4]). X [4, BLOCK_C]."""
+    offs_r = tl.arange(0, ROWS_PAD)
+    xf = tl.reshape(X, [X.shape[0] * X.shape[1]])                          # [4 * BLOCK_C], m = j * BLOCK_C + t
+    mix = tl.sum(w * xf[None, :], axis=1)                                  # [32]
+    G = tl.sum(X[:, None, :] * X[None, :, :], axis=2)                      # [4, 4]
+    accm = tl.where(offs_r[:, None] == r, accm + mix[None, :], accm)
+    accg = tl.where(offs_r[:, None, None] == r, accg + G[None, :, :], accg)
+    return accm, accg
+
+
+@triton.jit
+def _store_slot(part_ptr, stride_p, accm, accg, rows, ROWS_PAD: tl.constexpr):
+    offs_r = tl.arange(0, ROWS_PAD)
+    n = tl.arange(0, 32)
+    i4 = tl.arange(0, 4)
+    tl.store(part_ptr + offs_r[:, None] * stride_p + n[None, :], accm,
+             mask=(offs_r[:, None] < rows) & (n[None, :] < 24))
+    gofs = 24 + i4[:, None] * 4 + i4[None, :]
+    tl.store(part_ptr + offs_r[:, None, None] * stride_p + gofs[None, :, :], accg,
+             mask=(offs_r[:, None, None] < rows) & (gofs[None, :, :] >= 0))
+
+
+@triton.jit
+def hc_partial_prefetch(fn_ptr, c0, c1, H, BLOCK_C: tl.constexpr):
+    """First fn chunk of the tile: columns [c0, c0 + BLOCK_C) of every stream, [32, 4 * BLOCK_C] fp32.
+    fn_ptr: hc_fn [24, 4H] fp32 row-major. Depends on no activation: issue it before the wait."""
+    return _fn_cols(fn_ptr, c0, c1, H, BLOCK_C)
+
+
+@triton.jit
+def hc_partial_finish(w0, fn_ptr, x_ptr, stride_x, part_ptr, stride_p, rows, c0, c1, H,
+                      ROWS_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Partial hc_pre sums of columns [c0, c1) of the 4 streams for rows 0..rows-1, into this task's slot.
+
+    x_ptr: streams X [rows, 4, H] fp32 (row stride stride_x). part_ptr: this task's slot [rows, HC_SLOT]
+    (row stride stride_p): words 0-23 sum_{j, c} fn[n, j*H + c] X[j, c], words 24-39 G[j, j'].
+    1 <= rows <= ROWS_PAD. Chunks add in column order, each row on its own (its bits do not depend on
+    `rows`); the next fn chunk is loaded before the row loop of the current one.
+    """
+    j = tl.arange(0, 4)
+    accm = tl.zeros([ROWS_PAD, 32], dtype=tl.float32)
+    accg = tl.zeros([ROWS_PAD, 4, 4], dtype=tl.float32)
+    w = w0
+    c = c0
+    while c < c1:
+        w_next = _fn_cols(fn_ptr, c + BLOCK_C, c1, H, BLOCK_C)    # all-masked past c1: touches nothing
+        cc = c + tl.arange(0, BLOCK_C)
+        r = 0
+        while r < rows:
+            # .cg: X may come from another CTA of the same launch; never a stale L1 line
+            X = tl.load(x_ptr + r * stride_x + j[:, None] * H + cc[None, :], mask=cc[None, :] < c1, other=0.0,
+                        cache_modifier=".cg")                                   # [4, BLOCK_C]
+            accm, accg = _accumulate(accm, accg, r, w, X, ROWS_PAD)
+            r += 1
+        w = w_next
+        c += BLOCK_C
+    _store_slot(part_ptr, stride_p, accm, accg, rows, ROWS_PAD)
+
+
+# ---------------------------------------------------------------------------- finish
+@triton.jit
+def hc_coeffs(part_ptr, stride_task, n_parts, base_ptr, scale_ptr, H, eps, hc_eps, ITERS: tl.constexpr):
+    """Join the n_parts slots of one row in task order; derive the mHC coefficients and the gate-row rstd.
+
+    part_ptr: task 0's slot for this row; task t's at part_ptr + t * stride_task. eps = rms_norm_eps,
+    hc_eps = cfg.hc_eps, ITERS = Sinkhorn iterations (20). Returns pre [4], post [4], comb [4, 4]
+    (comb[j, i]: weight of stream j in output stream i), ordered exactly as reference/ops.py
+    hc_coeffs (sigmoid + eps, 2 * sigmoid, row softmax + eps, one column normalisation then ITERS - 1
+    (rows, columns) rounds, eps in every denominator), and rstd = 1 / sqrt(mean(x_in^2) + eps) of the
+    collapsed row from pre^T G pre. Cheap enough to run redundantly in every CTA that needs it.
+    """
+    i4 = tl.arange(0, 4)
+    ij = i4[:, None] * 4 + i4[None, :]
+    pre_s = tl.zeros([4], dtype=tl.float32)
+    post_s = tl.zeros([4], dtype=tl.float32)
+    comb_s = tl.zeros([4, 4], dtype=tl.float32)
+    G = tl.zeros([4, 4], dtype=tl.float32)
+    t = 0
+    while t < n_parts:
+        p = part_ptr + t * stride_task
+        pre_s += tl.load(p + i4, cache_modifier=".cg")
+        post_s += tl.load(p + 4 + i4, cache_modifier=".cg")
+        comb_s += tl.load(p + 8 + ij, cache_modifier=".cg")
+        G += tl.load(p + 24 + ij, cache_modifier=".cg")
+        t += 1
+    ss = tl.sum(tl.sum(tl.where(i4[:, None] == i4[None, :], G, 0.0), axis=1), axis=0)   # trace(G)
+    inv = 1.0 / tl.sqrt(ss / (4 * H) + eps)                    # 1 / rms of the flat 4H row
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    pre = tl.sigmoid(pre_s * inv * s0 + tl.load(base_ptr + i4)) + hc_eps
+    post = 2.0 * tl.sigmoid(post_s * inv * s1 + tl.load(base_ptr + 4 + i4))
+    logits = comb_s * inv * s2 + tl.load(base_ptr + 8 + ij)                    # [4, 4]
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)                     # columns
+    for _ in range(ITERS - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)                 # rows
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)                 # columns
+    ss_in = tl.sum(tl.sum(pre[:, None] * G * pre[None, :], axis=1), axis=0)    # sum_c x_in[c]^2
+    rstd = 1.0 / tl.sqrt(ss_in / H + eps)
+    return pre, post, comb, rstd
+
+
+@triton.jit
+def hc_gate_tile(x_ptr, pre, rstd, w_ptr, out_ptr, out32_ptr, c0, H, BLOCK_H: tl.constexpr,
+                 WRITE_F32: tl.constexpr):
+    """Gate row tile: a[c] = (sum_j pre[j] X[j, c]) * rstd * w[c] for c in [c0, c0 + BLOCK_H) (< H).
+
+    x_ptr: this row's streams [4, H] fp32; pre, rstd from hc_coeffs; w_ptr: norm weight [H]. out_ptr: the
+    row [H] in its dtype (bf16 for the hand-off); out32_ptr: fp32 copy, written only if WRITE_F32."""
+    i4 = tl.arange(0, 4)
+    offs = c0 + tl.arange(0, BLOCK_H)
+    m = offs < H
+    X = tl.load(x_ptr + i4[:, None] * H + offs[None, :], mask=m[None, :], other=0.0, cache_modifier=".cg")
+    a = tl.sum(pre[:, None] * X, axis=0) * rstd * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, a.to(out_ptr.dtype.element_ty), mask=m)
+    if WRITE_F32:
+        tl.store(out32_ptr + offs, a, mask=m)
+
+
+@triton.jit
+def hc_store_coef(coef_ptr, pre, post, comb):
+    """coef row [24]: pre 0-3, post 4-7, comb 8-23 (what hc_post_partial reads)."""
+    i4 = tl.arange(0, 4)
+    tl.store(coef_ptr + i4, pre)
+    tl.store(coef_ptr + 4 + i4, post)
+    tl.store(coef_ptr + 8 + i4[:, None] * 4 + i4[None, :], comb)
+
+
+# ---------------------------------------------------------------------------- hc_post
+@triton.jit
+def _post_mix(X, y, post, comb):
+    """X'[i] = sum_j comb[j, i] X[j] (j = 0..3 in order) + post[i] y. X [4, B], y [B] -> [4, B]."""
+    i4 = tl.arange(0, 4)
+    acc = tl.zeros(X.shape, dtype=tl.float32)
+    for j in tl.static_range(4):
+        cj = tl.sum(tl.where(i4[:, None] == j, comb, 0.0), axis=0)                 # comb[j, :] as [4]
+        xj = tl.sum(tl.where(i4[:, None] == j, X, 0.0), axis=0)                    # X[j] as [B]
+        acc += cj[:, None] * xj[None, :]
+    return acc + post[:, None] * y[None, :]
+
+
+@triton.jit
+def hc_post_tile(x_ptr, y_ptr, out_ptr, c0, H, post, comb, BLOCK_H: tl.constexpr):
+    """X'[i, c] = post[i] * y[c] + sum_j comb[j, i] * X[j, c] for columns c0 .. c0 + BLOCK_H - 1 (< H).
+
+    x_ptr / out_ptr: this row's streams [4, H] fp32 before / after (a separate buffer: other CTAs may
+    still read X); y_ptr: the sub-layer output row [H] (bf16/fp32); post [4], comb [4, 4] from hc_coeffs."""
+    i4 = tl.arange(0, 4)
+    offs = c0 + tl.arange(0, BLOCK_H)
+    m = offs < H
+    X = tl.load(x_ptr + i4[:, None] * H + offs[None, :], mask=m[None, :], other=0.0, cache_modifier=".cg")
+    y = tl.load(y_ptr + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(out_ptr + i4[:, None] * H + offs[None, :], _post_mix(X, y, post, comb), mask=m[None, :])
+
+
+@triton.jit
+def hc_post_partial(w0, fn_ptr, x_ptr, y_ptr, stride_y, coef_ptr, stride_c, out_ptr, stride_x, part_ptr, stride_p,
+                    rows, c0, c1, H, ROWS_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
+    """hc_post on columns [c0, c1) of every row, fused with the next hc_pre's partial of the same tile.
+
+    x_ptr / out_ptr: X / X' [rows, 4, H] fp32 (row stride stride_x); y_ptr: sub-layer output [rows, H]
+    (row stride stride_y); coef_ptr: this sub-layer's coefficients [rows, 24] (row stride stride_c,
+    hc_store_coef's layout). w0 / fn_ptr: the NEXT hc_pre's fn (hc_partial_prefetch of this tile).
+    part_ptr: this task's slot for the next hc_pre, as hc_partial_finish writes it. Same operations as
+    hc_post_tile then hc_partial_finish on X' (same bits under the interpreter)."""
+    j = tl.arange(0, 4)
+    accm = tl.zeros([ROWS_PAD, 32], dtype=tl.float32)
+    accg = tl.zeros([ROWS_PAD, 4, 4], dtype=tl.float32)
+    w = w0
+    c = c0
+    while c < c1:
+        w_next = _fn_cols(fn_ptr, c + BLOCK_C, c1, H, BLOCK_C)
+        cc = c + tl.arange(0, BLOCK_C)
+        m = cc < c1
+        r = 0
+        while r < rows:
+            X = tl.load(x_ptr + r * stride_x + j[:, None] * H + cc[None, :], mask=m[None, :], other=0.0,
+                        cache_modifier=".cg")
+            y = tl.load(y_ptr + r * stride_y + cc, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+            post = tl.load(coef_ptr + r * stride_c + 4 + j, cache_modifier=".cg")
+            comb = tl.load(coef_ptr + r * stride_c + 8 + j[:, None] * 4 + j[None, :], cache_modifier=".cg")
+            Xn = _post_mix(X, y, post, comb)                                      # [4, BLOCK_C]; 0 past c1
+            tl.store(out_ptr + r * stride_x + j[:, None] * H + cc[None, :], Xn, mask=m[None, :])
+            accm, accg = _accumulate(accm, accg, r, w, Xn, ROWS_PAD)
+            r += 1
+        w = w_next
+        c += BLOCK_C
+    _store_slot(part_ptr, stride_p, accm, accg, rows, ROWS_PAD)
+
+
+# ---------------------------------------------------------------------------- test kernels
+@triton.jit(do_not_specialize=["rows", "chunk"])
+def hc_partial_kernel(X, fn, part, rows, chunk, H, ROWS_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Grid (tasks,): task t reduces columns [t * chunk, (t + 1) * chunk) of the streams into part[t]."""
+    t = tl.program_id(0)
+    c0 = t * chunk
+    c1 = tl.minimum(c0 + chunk, H)
+    w0 = hc_partial_prefetch(fn, c0, c1, H, BLOCK_C)
+    hc_partial_finish(w0, fn, X, 4 * H, part + t * ROWS_PAD * _SLOT, _SLOT, rows, c0, c1, H, ROWS_PAD, BLOCK_C)
+
+
+@triton.jit(do_not_specialize=["rows", "chunk"])
+def hc_post_partial_kernel(X, Y, coef, fn, out, part, rows, chunk, H, ROWS_PAD: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
+    """Grid (tasks,): X' = hc_post(X) on task t's columns, and the next hc_pre's partials into part[t]."""
+    t = tl.program_id(0)
+    c0 = t * chunk
+    c1 = tl.minimum(c0 + chunk, H)
+    w0 = hc_partial_prefetch(fn, c0, c1, H, BLOCK_C)
+    hc_post_partial(w0, fn, X, Y, H, coef, 24, out, 4 * H, part + t * ROWS_PAD * _SLOT, _SLOT, rows, c0, c1, H,
+                    ROWS_PAD, BLOCK_C)
+
+
+@triton.jit(do_not_specialize=["n_parts"])
+def hc_finish_kernel(X, part, base, scale, norm_w, out, out32, coef, n_parts, H, eps, hc_eps,
+                     ROWS_PAD: tl.constexpr, ITERS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Grid (rows, cdiv(H, BLOCK_H)): every program joins row r's slots itself (as consumer CTAs do),
+    writes its gate-row tile; tile 0 also writes coef[r]."""
+    r = tl.program_id(0)
+    tile = tl.program_id(1)
+    pre, post, comb, rstd = hc_coeffs(part + r * _SLOT, ROWS_PAD * _SLOT, n_parts, base, scale, H, eps, hc_eps,
+                                      ITERS)
+    if tile == 0:
+        hc_store_coef(coef + r * 24, pre, post, comb)
+    hc_gate_tile(X + r * 4 * H, pre, rstd, norm_w, out + r * H, out32 + r * H, tile * BLOCK_H, H, BLOCK_H, True)
+
+
+@triton.jit
+def hc_post_kernel(X, Y, coef, out, H, BLOCK_H: tl.constexpr):
+    """Grid (rows, cdiv(H, BLOCK_H)): one column tile of one row; post/comb read from coef[r]."""
+    r = tl.program_id(0)
+    c0 = tl.program_id(1) * BLOCK_H
+    i4 = tl.arange(0, 4)
+    post = tl.load(coef + r * 24 + 4 + i4)
+    comb = tl.load(coef + r * 24 + 8 + i4[:, None] * 4 + i4[None, :])
+    hc_post_tile(X + r * 4 * H, Y + r * H, out + r * 4 * H, c0, H, post, comb, BLOCK_H)
+
+
+# ---------------------------------------------------------------------------- host wrappers (tests)
+def _check_streams(X, rows_pad):
+    rows, m, H = X.shape
+    if m != 4 or not X.is_contiguous() or X.dtype != torch.float32:
+        raise ValueError(f"X must be contiguous fp32 [rows, 4, H], got {tuple(X.shape)} {X.dtype}")
+    if not 1 <= rows <= rows_pad:
+        raise ValueError(f"rows={rows}: must be in 1..{rows_pad}")
+    return rows, H
+
+
+def hc_finish(X, part, base, scale, norm_w, cfg, *, rows_pad: int = 8, block_h: int = 256):
+    """Gate rows and coefficients from joined slots. Returns (a bf16 [rows, H], a fp32, coef [rows, 24])."""
+    rows, H = _check_streams(X, rows_pad)
+    nan, dev = float("nan"), X.device
+    out = torch.full((rows, H), nan, dtype=torch.bfloat16, device=dev)
+    out32 = torch.full((rows, H), nan, device=dev)
+    coef = torch.full((rows, 24), nan, device=dev)
+    hc_finish_kernel[(rows, triton.cdiv(H, block_h))](X, part, base, scale, norm_w, out, out32, coef, part.shape[0],
+                                                      H, cfg.rms_norm_eps, cfg.hc_eps, ROWS_PAD=rows_pad,
+                                                      ITERS=cfg.hc_sinkhorn_iters, BLOCK_H=block_h)
+    return out, out32, coef
+
+
+def hc_pre(X, fn, base, scale, norm_w, cfg, *, chunk: int = 64, block_c: int = 32, block_h: int = 256,
+           rows_pad: int = 8):
+    """hc_partial (one program per column tile of `chunk`) then hc_finish (one program per row and tile).
+
+    X [rows, 4, H] fp32 contiguous; fn [24, 4H] fp32; base [24]; scale [3]; norm_w [H].
+    Returns (a bf16 [rows, H], a fp32 [rows, H], coef [rows, 24] = pre|post|comb, part slots)."""
+    rows, H = _check_streams(X, rows_pad)
+    tasks = triton.cdiv(H, chunk)
+    part = torch.full((tasks, rows_pad, HC_SLOT), float("nan"), device=X.device)
+    hc_partial_kernel[(tasks,)](X, fn, part, rows, chunk, H, ROWS_PAD=rows_pad, BLOCK_C=block_c)
+    return (*hc_finish(X, part, base, scale, norm_w, cfg, rows_pad=rows_pad, block_h=block_h), part)
+
+
+def hc_post(X, y, coef, *, block_h: int = 128):
+    """X' [rows, 4, H] = post * y + comb^T X, post/comb from coef [rows, 24] (hc_store_coef's layout)."""
+    rows, _, H = X.shape
+    out = torch.full_like(X, float("nan"))
+    hc_post_kernel[(rows, triton.cdiv(H, block_h))](X, y, coef, out, H, BLOCK_H=block_h)
+    return out
+
+
+def hc_post_fused(X, y, coef, fn_next, *, chunk: int = 64, block_c: int = 32, rows_pad: int = 8):
+    """hc_post fused with the next hc_pre's partials. X, y, coef as hc_post; fn_next [24, 4H] fp32.
+    Returns (X' [rows, 4, H], part slots of X' for hc_finish)."""
+    rows, H = _check_streams(X, rows_pad)
+    if y.shape != (rows, H) or not y.is_contiguous() or coef.shape != (rows, 24) or not coef.is_contiguous():
+        raise ValueError(f"y must be contiguous [{rows}, {H}] and coef [{rows}, 24]")
+    tasks = triton.cdiv(H, chunk)
+    out = torch.full_like(X, float("nan"))
+    part = torch.full((tasks, rows_pad, HC_SLOT), float("nan"), device=X.device)
+    hc_post_partial_kernel[(tasks,)](X, y, coef, fn_next, out, part, rows, chunk, H, ROWS_PAD=rows_pad,
+                                     BLOCK_C=block_c)
+    return out, part
