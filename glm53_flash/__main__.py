@@ -1,0 +1,165 @@
+"""Command line: `python -m glm53_flash {make-checkpoint,generate,demo,sites} ...` (each has --help).
+
+Heavy modules (torch, triton, kernels) are imported only after the arguments are parsed, because
+TRITON_INTERPRET must be set before any @triton.jit function is defined when running on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+DEFAULT_DEMO_DIR = os.path.join("checkpoints", "tiny")
+DEFAULT_DEMO_PROMPT = "3,17,42,7,99,256,511,12,800,64,5,1000"
+
+
+def _prompt(s: str) -> list[int]:
+    try:
+        ids = [int(t) for t in s.split(",") if t.strip() != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt {s!r}: expected comma-separated token ids, e.g. 3,17,42")
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt is empty: give at least one token id")
+    return ids
+
+
+def _prepare_device(device: str) -> None:
+    """On the CPU, kernels run under the Triton interpreter (must be set before triton is imported)."""
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m glm53_flash",
+        description="glm53-flash: persistent-megakernel decode of GLM-5.3-Flash (glm5_next).")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    m = sub.add_parser("make-checkpoint", help="write a random checkpoint in the vendor layout",
+                       description="Write a checkpoint directory (config.json, safetensors shards, "
+                                   "model.safetensors.index.json) with deterministic random weights.")
+    m.add_argument("--preset", required=True, help="config preset: tiny, glm53-flash-e80 or glm53-flash")
+    m.add_argument("--out", required=True, help="output directory (created; must be empty or absent)")
+    m.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                   help="bf16, or FP8 e4m3 with 128x128 block scales for the tensors the vendor ships in FP8")
+    m.add_argument("--seed", type=int, default=0, help="random seed (same seed, same weights)")
+
+    def run_args(sp, need_ckpt: bool):
+        if need_ckpt:
+            sp.add_argument("--checkpoint", required=True, help="checkpoint directory")
+        sp.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: kernels run under the Triton interpreter; cuda: natively on the GPU")
+        sp.add_argument("--path", choices=("auto", "reference"), default="auto",
+                        help="auto: every launch kind that exists runs as a kernel, the torch reference "
+                             "runs the rest; reference: the torch reference only")
+        sp.add_argument("--inject-fault", metavar="KIND:SITE", default=None,
+                        help="make the producer of wait site SITE in launch KIND skip its publish on the first "
+                             "step: the HandoffTimeout is printed, the launch retried, and the tokens must "
+                             "equal those of a run without the fault")
+        sp.add_argument("--max-len", type=int, default=4096, help="cache length per slot (positions)")
+
+    g = sub.add_parser("generate", help="teacher-force a prompt, then greedy-decode",
+                       description="Teacher-forces the prompt through decode steps, then greedy-decodes "
+                                   "--max-new-tokens tokens.")
+    run_args(g, need_ckpt=True)
+    g.add_argument("--prompt", required=True, type=_prompt, help="comma-separated token ids, e.g. 3,17,42")
+    g.add_argument("--max-new-tokens", type=int, required=True, help="number of tokens to generate")
+    g.add_argument("--json", action="store_true",
+                   help='print one line {"tokens": [...], "last_logits_top5": [[id, logit], ...]}')
+
+    d = sub.add_parser("demo", help="decode demo on a tiny checkpoint (made if absent)",
+                       description="Makes (or reuses) a tiny random checkpoint, prefills a prompt with the "
+                                   "reference, decodes through the launches, prints the tokens, tokens/s and "
+                                   "whether decode agrees with prefill.")
+    run_args(d, need_ckpt=False)
+    d.add_argument("--checkpoint", default=DEFAULT_DEMO_DIR, help=f"checkpoint dir (default {DEFAULT_DEMO_DIR})")
+    d.add_argument("--prompt", type=_prompt, default=_prompt(DEFAULT_DEMO_PROMPT), help="comma-separated ids")
+    d.add_argument("--max-new-tokens", type=int, default=8, help="tokens to generate")
+
+    s = sub.add_parser("sites", help="list the wait sites of a launch kind",
+                       description="Lists the numbered wait sites of a launch kind in schedule order "
+                                   "(names accepted by --inject-fault KIND:SITE).")
+    s.add_argument("--launch", required=True, help="launch kind, e.g. tail")
+    return p
+
+
+def cmd_make_checkpoint(a) -> int:
+    from .checkpoint import make_random_checkpoint
+    from .config import preset
+    path = make_random_checkpoint(preset(a.preset), a.out, seed=a.seed, weights=a.weights)
+    print(f"wrote {a.weights} checkpoint of preset {a.preset} (seed {a.seed}) to {path}")
+    return 0
+
+
+def cmd_generate(a) -> int:
+    from .runner import Runner
+    r = Runner(a.checkpoint, device=a.device, path=a.path, max_len=a.max_len)
+    res = r.generate(a.prompt, a.max_new_tokens, inject_fault=a.inject_fault)
+    if a.json:
+        top = res.last_logits.topk(5)
+        print(json.dumps({"tokens": res.tokens,
+                          "last_logits_top5": [[int(i), float(v)] for v, i in zip(top.values, top.indices)]}))
+    else:
+        print("tokens:", ",".join(map(str, res.tokens)))
+        print("paths:", ", ".join(f"{k}={v}" for k, v in res.paths.items()))
+    return 0
+
+
+def cmd_demo(a) -> int:
+    import torch
+
+    from .checkpoint import make_random_checkpoint
+    from .config import preset
+    from .runner import Runner
+    if not os.path.exists(os.path.join(a.checkpoint, "model.safetensors.index.json")):
+        print(f"making a tiny random checkpoint in {a.checkpoint}")
+        make_random_checkpoint(preset("tiny"), a.checkpoint, seed=0, weights="bf16")
+    r = Runner(a.checkpoint, device=a.device, path=a.path, max_len=a.max_len)
+    print("launch paths:", ", ".join(f"{k}={v}" for k, v in r.paths.items()))
+    prompt = a.prompt
+    t0 = time.perf_counter()
+    pre = r.ref.prefill(torch.tensor(prompt, dtype=torch.long, device=a.device))
+    t_pre = time.perf_counter() - t0
+    res = r.generate(prompt, a.max_new_tokens, inject_fault=a.inject_fault)
+    diff = float((res.prompt_logits - pre.logits.cpu()).abs().max())
+    scale = float(pre.logits.abs().max())
+    same_next = int(pre.logits[-1].argmax()) == res.tokens[0]
+    agree = diff <= 1e-3 * max(1.0, scale) and same_next
+    steps = max(1, a.max_new_tokens - 1)
+    tps = steps / res.seconds if res.seconds > 0 else float("inf")
+    print(f"prompt ({len(prompt)} tokens): {','.join(map(str, prompt))}   prefill {t_pre:.2f} s")
+    print(f"generated: {','.join(map(str, res.tokens))}")
+    print(f"decode: {tps:.2f} tokens/s on {a.device}")
+    print(f"decode agrees with prefill: {'yes' if agree else 'NO'} "
+          f"(max |logit diff| {diff:.2e} over the prompt, logit scale {scale:.2f}; same next token: {same_next})")
+    if res.faults:
+        print(f"faults seen and retried: {len(res.faults)}")
+    return 0 if agree else 1
+
+
+def cmd_sites(a) -> int:
+    from .launches import available, sites
+    if a.launch not in available():
+        print(f"launch kind {a.launch!r} is not implemented yet; implemented: {', '.join(available())}",
+              file=sys.stderr)
+        return 2
+    for i, name in enumerate(sites(a.launch)):
+        print(f"{i:3d}  {name}")
+    return 0
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    _prepare_device(getattr(a, "device", "cpu"))
+    try:
+        return {"make-checkpoint": cmd_make_checkpoint, "generate": cmd_generate, "demo": cmd_demo,
+                "sites": cmd_sites}[a.cmd](a)
+    except (ValueError, FileNotFoundError) as e:   # ConfigError/CheckpointError are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Greedy sampling across CTAs and ranks: per-tile argmax, candidate mailboxes, fixed-order reduction.
+
+A candidate is (value fp32, global vocab index int32) per row, rows padded to ROWS_PAD = 8 (the widest
+build). Candidates are
+compared by value, then by the lower index, a total order, so the reduction gives the same answer
+in any order; it still runs in a fixed order (slot 0, 1, ...) and needs no float atomics.
+
+Mailbox layout of one slot (16 int64 tagged pairs, 128 bytes: one line): words 0..7 hold the values'
+bits of rows 0..7, words 8..15 their indices. Each word is one 8-byte store carrying its launch tag, so a
+reader needs no flag: it re-reads until every word it needs carries the current tag (sync.device).
+"""
+import triton
+import triton.language as tl
+
+from sync.device import await_pairs, publish_pairs
+
+ROWS_PAD: tl.constexpr = tl.constexpr(8)
+SLOT_WORDS: tl.constexpr = tl.constexpr(16)
+INT_MAX: tl.constexpr = tl.constexpr(2147483647)
+
+
+@triton.jit
+def tile_argmax(acc, n0, N, idx_off, BLOCK_N: tl.constexpr):
+    """acc [BLOCK_N, ROWS_PAD] (acc[j, r] = logit of row r, column n0 + j; only columns < N count)
+    -> (value [ROWS_PAD], index [ROWS_PAD]); index = idx_off + column, the lowest among equal maxima."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    a = tl.where((cols < N)[:, None], acc, float("-inf"))
+    v = tl.max(a, axis=0)
+    i = tl.min(tl.where(a == v[None, :], (cols + idx_off)[:, None], INT_MAX), axis=0)
+    return v, i
+
+
+@triton.jit
+def argmax_merge(bv, bi, v, i):
+    """Keep the better of two candidates per row: larger value, then lower index."""
+    take = (v > bv) | ((v == bv) & (i < bi))
+    return tl.where(take, v, bv), tl.where(take, i, bi)
+
+
+@triton.jit
+def empty_candidate():
+    return tl.full([ROWS_PAD], float("-inf"), tl.float32), tl.full([ROWS_PAD], INT_MAX, tl.int32)
+
+
+@triton.jit
+def publish_candidate(slot_ptr, bv, bi, rows, tag, site, fault_site):
+    """Write one slot (int64 pointer) of tagged pairs for rows < rows."""
+    r = tl.arange(0, ROWS_PAD)
+    publish_pairs(slot_ptr + r, bv.to(tl.int32, bitcast=True), tag, r < rows, site, fault_site)
+    publish_pairs(slot_ptr + ROWS_PAD + r, bi, tag, r < rows, site, fault_site)
+
+
+@triton.jit
+def reduce_candidates(base_ptr, n_slots, rows, tag, hdr, site, cta, budget_ns, SLOTS: tl.constexpr):
+    """Wait for slots 0..n_slots-1 (int64 base pointer) and reduce them in slot order.
+
+    -> (value [16], index [16], ok). SLOTS slots are awaited per step ([SLOTS * 16] words)."""
+    bv, bi = empty_candidate()
+    ok = 1
+    offs = tl.arange(0, SLOTS * ROWS_PAD)
+    s0 = 0
+    while (s0 < n_slots) & (ok != 0):
+        s = s0 + offs // ROWS_PAD
+        r = offs % ROWS_PAD
+        m = (s < n_slots) & (r < rows)
+        vb, ok = await_pairs(base_ptr + s * SLOT_WORDS + r, m, tag, hdr, site, cta, budget_ns)
+        if ok != 0:
+            ib, ok = await_pairs(base_ptr + s * SLOT_WORDS + ROWS_PAD + r, m, tag, hdr, site, cta, budget_ns)
+            v2 = tl.reshape(tl.where(m, vb.to(tl.float32, bitcast=True), float("-inf")), (SLOTS, ROWS_PAD))
+            i2 = tl.reshape(tl.where(m, ib, INT_MAX), (SLOTS, ROWS_PAD))
+            cv = tl.max(v2, axis=0)
+            ci = tl.min(tl.where(v2 == cv[None, :], i2, INT_MAX), axis=0)
+            bv, bi = argmax_merge(bv, bi, cv, ci)
+        s0 += SLOTS
+    return bv, bi, ok

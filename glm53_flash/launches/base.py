@@ -1,0 +1,164 @@
+"""The launch driver shared by every launch kind: graph -> schedule -> scratch -> kernel call -> errors.
+
+A subclass declares its task graph (`build_graph`), its scratch regions (`plan_scratch`), its kernel
+and the kernel's arguments for a stage range (`kernel_args`). This class then
+- places the tasks (schedule.build: balanced by bytes, proved deadlock-free),
+- lays out the scratch (the launch header first, then the subclass's regions; layout/),
+- on the GPU, compiles once per variant and refuses a grid that cannot be co-resident
+  (schedule.check_residency), then launches cooperatively,
+- under TRITON_INTERPRET=1 runs the same kernel one stage per launch (programs run one after another
+  there, so only a wait on an earlier stage can be satisfied), ranks interleaved for simulated TP,
+- after the launch decodes the error record into `HandoffTimeout` (sync.guard).
+Launch tags come from the header's device epoch (sync/header.py), so `enqueue()` needs no per-call
+host state and can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import triton
+
+from layout import Planner
+from sync import HEADER_LINES, SiteRegistry, check_record, read_record, timeout_ns
+from sync.guard import DEFAULT_TIMEOUT_S
+
+from .. import schedule as sched_mod
+
+
+def interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)
+
+
+class Launch:
+    kind = "base"
+    num_warps = 4
+
+    def __init__(self, *, grid: int | None, device, timeout_s: float = DEFAULT_TIMEOUT_S, tag_stride: int = 1,
+                 tag_offset: int = 0, bump: bool = True):
+        import torch
+
+        self.device = torch.device(device if device is not None else ("cpu" if interpreting() else "cuda"))
+        if self.device.type != "cpu" and interpreting():
+            raise ValueError(f"{self.kind}: device={self.device} but TRITON_INTERPRET=1 runs on the CPU")
+        if self.device.type == "cpu" and not interpreting():
+            raise ValueError(f"{self.kind}: device=cpu needs TRITON_INTERPRET=1 (set before importing kernels)")
+        if grid is None:
+            grid = 4 if interpreting() else sched_mod.device_sm_count(self.device)
+        if not isinstance(grid, int) or isinstance(grid, bool) or grid < 1:
+            raise ValueError(f"{self.kind}: grid={grid!r} must be a positive integer")
+        if not (isinstance(tag_stride, int) and tag_stride >= 1 and isinstance(tag_offset, int)
+                and 0 <= tag_offset < tag_stride):
+            raise ValueError(f"{self.kind}: tag_stride={tag_stride!r}, tag_offset={tag_offset!r}: need "
+                             f"0 <= tag_offset < tag_stride")
+        self.grid = grid
+        self.timeout_s = timeout_s
+        self.tag_stride, self.tag_offset, self.bump = tag_stride, tag_offset, bool(bump)
+        self._resident: dict = {}
+
+    # ------------------------------------------------------------------ subclass hooks
+    def build_graph(self) -> sched_mod.TaskGraph:
+        raise NotImplementedError
+
+    def plan_scratch(self, planner: Planner) -> None:
+        raise NotImplementedError
+
+    def kernel(self):
+        raise NotImplementedError
+
+    def kernel_args(self, stage_lo: int, stage_hi: int, bump: int, fault_site: int) -> tuple[tuple, dict]:
+        """(positional args, constexpr kwargs) of one kernel call over stages [stage_lo, stage_hi)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ set-up
+    def _setup(self) -> None:
+        """Call at the end of the subclass's __init__, once its fields exist."""
+        graph = self.build_graph()
+        self.schedule = sched_mod.build(graph, self.grid)
+        self.sites = SiteRegistry(self.schedule.sites)
+        pl = Planner(self.kind)
+        pl.header("hdr", HEADER_LINES)
+        self.plan_scratch(pl)
+        self.layout = pl.build()
+        self.scratch = self.layout.alloc(self.device)
+        table, starts = self.schedule.table()
+        self.table = table.to(self.device)
+        self.starts = starts.to(self.device)
+        self.n_stages = len(self.schedule.stage_names)
+
+    @property
+    def header(self):
+        return self.layout.view(self.scratch, "hdr")
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, v: float) -> None:
+        self._timeout_ns = timeout_ns(v)       # validates
+        self._timeout_s = float(v)
+
+    def fault_id(self, inject_fault: str | None) -> int:
+        return -1 if inject_fault is None else self.sites.id(inject_fault)
+
+    # ------------------------------------------------------------------ launching
+    def spans(self, stagewise: bool | None = None) -> list[tuple[int, int]]:
+        if stagewise is None:
+            stagewise = interpreting()
+        return [(s, s + 1) for s in range(self.n_stages)] if stagewise else [(0, self.n_stages)]
+
+    def enqueue_span(self, lo: int, hi: int, bump: bool, fault_site: int = -1) -> None:
+        args, const = self.kernel_args(lo, hi, int(bump and self.bump), fault_site)
+        kw = dict(const, num_warps=self.num_warps)
+        k = self.kernel()
+        if not interpreting():
+            kw["launch_cooperative_grid"] = True
+            key = tuple(sorted(const.items()))
+            if key not in self._resident:
+                self._resident[key] = self.check_resident(k, args, kw)
+        k[(self.grid,)](*args, **kw)
+
+    def check_resident(self, k, args, kw) -> dict:
+        """Compile (cached) and refuse a grid that cannot be resident at once."""
+        ck = k.warmup(*args, grid=(self.grid,), **kw)
+        res = sched_mod.kernel_resources(ck)
+        cap = sched_mod.check_residency(self.kind, self.grid, n_regs=res["n_regs"], num_warps=res["num_warps"],
+                                        shared=res["shared"], n_sm=sched_mod.device_sm_count(self.device))
+        return dict(res, max_ctas=cap)
+
+    def enqueue(self, fault_site: int = -1, stagewise: bool | None = None) -> None:
+        """Enqueue one logical launch (no sync, no check): CUDA-graph capturable on the GPU."""
+        spans = self.spans(stagewise)
+        for i, (lo, hi) in enumerate(spans):
+            self.enqueue_span(lo, hi, i == len(spans) - 1, fault_site)
+
+    def check(self):
+        """Raise HandoffTimeout if the latest launch recorded a timeout; returns the header record."""
+        return check_record(self.header, self.sites, self.kind)
+
+    def record(self):
+        return read_record(self.header)
+
+    def canaries(self) -> list[str]:
+        return self.layout.check_canaries(self.scratch)
+
+
+def run_interleaved(launches: list[Launch], fault_sites: list[int] | None = None) -> None:
+    """Simulated TP on the CPU: stage s of every rank, then stage s + 1 (ranks in order), then check all.
+
+    Each rank's launch must already hold its inputs (kernel_args reads them). Raises the first rank's
+    HandoffTimeout after all ranks ran."""
+    n = {L.n_stages for L in launches}
+    if len(n) != 1:
+        raise ValueError(f"ranks disagree on the stage count: {sorted(n)}")
+    n_stages = n.pop()
+    faults = fault_sites or [-1] * len(launches)
+    for s in range(n_stages):
+        for L, f in zip(launches, faults):
+            L.enqueue_span(s, s + 1, s == n_stages - 1, f)
+    errors = []
+    for L in launches:
+        try:
+            L.check()
+        except Exception as e:       # HandoffTimeout; keep checking the other ranks' records
+            errors.append(e)
+    if errors:
+        raise errors[0]

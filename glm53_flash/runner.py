@@ -1,0 +1,141 @@
+"""The model runner: one decode step = the launch plan of the config, each launch kind run by its
+persistent Triton launch where one exists and by the torch reference otherwise.
+
+Owns the per-slot caches and the retry policy. Every launch is all-or-nothing (a faulted launch leaves
+caches and state as they were), so a launch that raises HandoffTimeout is reported and simply run again
+with the same inputs; the step then ends exactly as it would have without the fault.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .checkpoint import load_checkpoint
+from .config import GlmConfig
+from .reference.model import ReferenceModel
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[int]                      # generated ids
+    last_logits: torch.Tensor              # [V] fp32, logits that chose the last generated token
+    prompt_logits: torch.Tensor            # [T, V] logits of the teacher-forced prompt steps
+    seconds: float                         # wall time of the greedy decode steps
+    faults: list[str] = field(default_factory=list)   # HandoffTimeout messages seen (and retried)
+    paths: dict[str, str] = field(default_factory=dict)  # launch kind -> "kernel" | "reference"
+
+
+def parse_fault(spec: str | None) -> tuple[str, str] | None:
+    """`KIND:SITE` -> (kind, site)."""
+    if spec is None:
+        return None
+    kind, sep, site = spec.partition(":")
+    if not sep or not kind or not site:
+        raise ValueError(f"--inject-fault {spec!r}: expected KIND:SITE, e.g. tail:<site> "
+                         f"(list sites with `python -m glm53_flash sites --launch KIND`)")
+    return kind, site
+
+
+class Runner:
+    """Greedy decode of one request on the reference + whatever launch kinds exist."""
+
+    def __init__(self, checkpoint: str, device: str = "cpu", path: str = "auto", max_len: int = 4096,
+                 log=print):
+        if path not in ("auto", "reference"):
+            raise ValueError(f"path={path!r}: expected 'auto' or 'reference'")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but CUDA is not available on this machine")
+        self.device, self.path, self.log = device, path, log
+        self.ckpt = load_checkpoint(checkpoint, progress=False)
+        self.cfg: GlmConfig = self.ckpt.config
+        if max_len > self.cfg.max_position_embeddings:
+            raise ValueError(f"max_len={max_len} exceeds max_position_embeddings="
+                             f"{self.cfg.max_position_embeddings}")
+        self.max_len = max_len
+        self.ref = ReferenceModel(self.cfg, self.ckpt.dequantized(), device=device)
+        self.kernels = {}
+        if path == "auto":
+            from .launches import available, build_launch
+            for kind in available():
+                self.kernels[kind] = build_launch(kind, self.ckpt, device=device)
+
+    @property
+    def paths(self) -> dict[str, str]:
+        kinds = dict.fromkeys(self.cfg.launch_plan)
+        kinds.pop("nextn", None)   # the runner drives the trunk; the MTP block is a separate step
+        return {k: ("kernel" if k in self.kernels else "reference") for k in kinds}
+
+    # ------------------------------------------------------------------ one step
+    def _run_launch(self, kind: str, fn, fault: tuple[str, str] | None, faults: list[str]):
+        """Run one launch; on a HandoffTimeout report it and run the launch again without the fault."""
+        from sync import HandoffTimeout
+        site = fault[1] if fault is not None and fault[0] == kind else None
+        try:
+            return fn(site)
+        except HandoffTimeout as e:
+            msg = f"HandoffTimeout in {kind} launch: {e}"
+            faults.append(msg)
+            self.log(msg + " -- retrying the launch", file=sys.stderr)
+            return fn(None)
+
+    def step(self, caches, token: int, pos: int, fault=None, faults=None) -> tuple[torch.Tensor, int]:
+        """One decode step of slot 0: returns (logits [V] fp32, greedy next id)."""
+        faults = [] if faults is None else faults
+        tokens = torch.tensor([token], dtype=torch.long, device=self.device)
+        positions = torch.tensor([pos], dtype=torch.long, device=self.device)
+        X = self.ref.decode_trunk(caches, tokens, positions)          # [1, 4, H] fp32 mHC streams
+        if "tail" in self.kernels:
+            tail = self.kernels["tail"]
+            logits, ids = self._run_launch("tail", lambda site: tail.run(X, inject_fault=site), fault, faults)
+            return logits[0].float(), int(ids[0])
+        logits = self.ref.tail(X)
+        return logits[0], int(torch.argmax(logits[0]))                 # argmax: first max = lowest index
+
+    def generate(self, prompt: list[int], max_new_tokens: int, inject_fault: str | None = None) -> GenerateResult:
+        fault = parse_fault(inject_fault)
+        if fault is not None:
+            from .launches import sites
+            if fault[0] not in self.kernels:
+                raise ValueError(f"--inject-fault {inject_fault}: launch kind {fault[0]!r} does not run as a "
+                                 f"kernel here (kernel kinds: {sorted(self.kernels) or 'none'})")
+            if fault[1] not in sites(fault[0]):
+                raise ValueError(f"--inject-fault {inject_fault}: {fault[0]} has no wait site {fault[1]!r}; "
+                                 f"sites: {sites(fault[0])}")
+        self._check_prompt(prompt, max_new_tokens)
+        caches = self.ref.new_caches(1, self.max_len)
+        faults: list[str] = []
+        prompt_logits = []
+        nxt = None
+        logits = None
+        for pos, tok in enumerate(prompt):                              # teacher-forced prompt
+            logits, nxt = self.step(caches, tok, pos, fault, faults)
+            fault = None                                                # the fault is one-shot
+            prompt_logits.append(logits)
+        out = [nxt]
+        t0 = time.perf_counter()
+        pos = len(prompt)
+        while len(out) < max_new_tokens:
+            logits, nxt = self.step(caches, out[-1], pos, None, faults)
+            out.append(nxt)
+            pos += 1
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        return GenerateResult(out[:max_new_tokens], logits.cpu(), torch.stack(prompt_logits).cpu(), dt, faults,
+                              self.paths)
+
+    def _check_prompt(self, prompt: list[int], max_new_tokens: int) -> None:
+        if not prompt:
+            raise ValueError("prompt is empty: give at least one token id")
+        V = self.cfg.vocab_size
+        bad = [t for t in prompt if not (0 <= t < V)]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside [0, vocab_size={V})")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        if len(prompt) + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds max_len="
+                             f"{self.max_len}")

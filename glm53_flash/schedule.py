@@ -1,0 +1,269 @@
+"""Task graph -> per-CTA task table, and the proofs that a launch of it cannot hang.
+
+A launch kind declares stages of tasks; a task names its family, a few int arguments, the scratch
+regions it waits on (`reads`) and publishes (`writes`), and the bytes it reads (for balance). Here:
+- placement: stage by stage, pinned tasks first, then the rest largest-first onto the CTA with the
+  fewest bytes so far (ties -> lower CTA): deterministic, and balanced by bytes read;
+- the table: one int32 row of TASK_WORDS per task, CTA programs concatenated, `starts[cta]` indexes;
+- the wait sites: one per region that some task waits on, numbered in schedule order (stage of the
+  first reader, then first-reader order); its producers publish with the same number;
+- `prove()`: dependency edges (every writer of a region -> every reader) go to a strictly later
+  stage (CPU mode runs one launch per stage), and dependency edges plus each CTA's program order form
+  a DAG (on the GPU all CTAs run at once; a cycle is a deadlock);
+- `check_residency()`: the grid fits on the GPU at once (registers, shared memory, warps per SM),
+  since a spinning CTA that waits for an unscheduled one never finishes. Launch cooperatively too.
+Nothing here imports a kernel; launches compose it with layout/ and sync/.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+TASK_WORDS = 8          # family, stage, a0..a5
+MAX_ARGS = TASK_WORDS - 2
+
+
+class ScheduleError(ValueError):
+    """The task graph cannot be scheduled safely on this grid (cycle, bad stage order, too big)."""
+
+
+@dataclass(frozen=True)
+class Task:
+    id: int
+    stage: int
+    family: str
+    args: tuple[int, ...]
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    nbytes: int
+    cta: int | None             # pinned CTA, or None
+
+    def label(self, cta: int | None = None) -> str:
+        c = self.cta if cta is None else cta
+        return f"task#{self.id} {self.family}{list(self.args)} (stage {self.stage}, CTA {c})"
+
+
+class TaskGraph:
+    """Stages of tasks of named families; families map to the kernel's integer codes."""
+
+    def __init__(self, kind: str, families: dict[str, int] | list[str]):
+        self.kind = kind
+        self.families = dict(families) if isinstance(families, dict) else {f: i for i, f in enumerate(families)}
+        self.stage_names: list[str] = []
+        self.tasks: list[Task] = []
+
+    def stage(self, name: str) -> int:
+        """Open a new stage; following `add` calls go into it. Returns its index."""
+        self.stage_names.append(name)
+        return len(self.stage_names) - 1
+
+    def add(self, family: str, args=(), *, reads=(), writes=(), nbytes: int = 0, cta: int | None = None) -> Task:
+        if not self.stage_names:
+            raise ScheduleError(f"{self.kind}: add({family!r}) before any stage() call")
+        if family not in self.families:
+            raise ScheduleError(f"{self.kind}: unknown task family {family!r}; known {sorted(self.families)}")
+        args = tuple(int(a) for a in args)
+        if len(args) > MAX_ARGS:
+            raise ScheduleError(f"{self.kind}: task {family!r} has {len(args)} args, at most {MAX_ARGS}")
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ScheduleError(f"{self.kind}: task {family!r} nbytes={nbytes!r} must be an int >= 0")
+        t = Task(len(self.tasks), len(self.stage_names) - 1, family, args, tuple(reads), tuple(writes), nbytes, cta)
+        self.tasks.append(t)
+        return t
+
+    def sites(self) -> list[str]:
+        """Wait-site names `<kind>.<region>` in schedule order (a region some task waits on)."""
+        out: list[str] = []
+        for t in sorted(self.tasks, key=lambda t: (t.stage, t.id)):
+            for r in t.reads:
+                name = f"{self.kind}.{r}"
+                if name not in out:
+                    out.append(name)
+        return out
+
+
+@dataclass
+class Schedule:
+    kind: str
+    grid: int
+    tasks: list[Task]
+    programs: list[list[int]]            # task ids per CTA, in execution order
+    families: dict[str, int]
+    stage_names: list[str]
+    sites: list[str]
+    bytes_per_cta: list[int] = field(default_factory=list)
+
+    def site_id(self, region: str) -> int:
+        """Number of the wait site guarding `region` (-1 if no task waits on it)."""
+        name = f"{self.kind}.{region}"
+        return self.sites.index(name) if name in self.sites else -1
+
+    def table(self):
+        """(table int32 [n_tasks, TASK_WORDS], starts int32 [grid + 1]) as torch CPU tensors."""
+        import torch
+
+        rows, starts = [], [0]
+        for prog in self.programs:
+            for tid in prog:
+                t = self.tasks[tid]
+                rows.append([self.families[t.family], t.stage, *t.args] + [0] * (MAX_ARGS - len(t.args)))
+            starts.append(len(rows))
+        if not rows:
+            rows = [[-1] + [0] * (TASK_WORDS - 1)]
+        return torch.tensor(rows, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)
+
+    def cta_of(self) -> dict[int, int]:
+        return {tid: c for c, prog in enumerate(self.programs) for tid in prog}
+
+    def describe(self) -> str:
+        lines = [f"schedule {self.kind}: grid {self.grid}, {len(self.tasks)} tasks, sites {self.sites}"]
+        for c, prog in enumerate(self.programs):
+            fams = [f"{self.tasks[t].family}{list(self.tasks[t].args)}" for t in prog]
+            lines.append(f"  CTA {c:3d} {self.bytes_per_cta[c]:>12d} B  {' '.join(fams)}")
+        return "\n".join(lines)
+
+
+def _check_grid(kind: str, grid) -> None:
+    if not isinstance(grid, int) or isinstance(grid, bool) or grid < 1:
+        raise ScheduleError(f"{kind}: grid={grid!r} must be a positive integer")
+
+
+def build(graph: TaskGraph, grid: int) -> Schedule:
+    """Place every task on a CTA (balanced by bytes read) and prove the result."""
+    _check_grid(graph.kind, grid)
+    load = [0] * grid
+    programs: list[list[int]] = [[] for _ in range(grid)]
+    for s in range(len(graph.stage_names)):
+        stage = [t for t in graph.tasks if t.stage == s]
+        for t in stage:
+            if t.cta is not None:
+                if not 0 <= t.cta < grid:
+                    raise ScheduleError(f"{graph.kind}: {t.label()} is pinned outside grid {grid}")
+                programs[t.cta].append(t.id)
+                load[t.cta] += t.nbytes
+        heap = [(load[c], c) for c in range(grid)]     # (bytes so far, CTA): least loaded, then lower CTA
+        heapq.heapify(heap)
+        for t in sorted((t for t in stage if t.cta is None), key=lambda t: (-t.nbytes, t.id)):
+            _, c = heapq.heappop(heap)
+            programs[c].append(t.id)
+            load[c] += t.nbytes
+            heapq.heappush(heap, (load[c], c))
+    return from_programs(graph, grid, programs)
+
+
+def from_programs(graph: TaskGraph, grid: int, programs: list[list[int]]) -> Schedule:
+    """A schedule with explicit per-CTA programs (hand-made schedules, tests); proved before returned."""
+    _check_grid(graph.kind, grid)
+    if len(programs) != grid:
+        raise ScheduleError(f"{graph.kind}: {len(programs)} programs for grid {grid}")
+    seen = sorted(t for p in programs for t in p)
+    if seen != list(range(len(graph.tasks))):
+        raise ScheduleError(f"{graph.kind}: programs must hold every task exactly once")
+    load = [sum(graph.tasks[t].nbytes for t in p) for p in programs]
+    sched = Schedule(graph.kind, grid, list(graph.tasks), [list(p) for p in programs], dict(graph.families),
+                     list(graph.stage_names), graph.sites(), load)
+    prove(sched)
+    return sched
+
+
+def _dependency_edges(tasks: list[Task]) -> list[tuple[int, int, str]]:
+    writers: dict[str, list[int]] = {}
+    for t in tasks:
+        for r in t.writes:
+            writers.setdefault(r, []).append(t.id)
+    edges = []
+    for t in tasks:
+        for r in t.reads:
+            for w in writers.get(r, []):
+                edges.append((w, t.id, r))
+    return edges
+
+
+def prove(sched: Schedule) -> None:
+    """Refuse a schedule that can deadlock: a cycle of waits and program order, or a wait on a region
+    written in the same or a later stage (CPU mode runs one launch per stage)."""
+    tasks = sched.tasks
+    cta = sched.cta_of()
+    deps = _dependency_edges(tasks)
+    succ: dict[int, list[tuple[int, str]]] = {t.id: [] for t in tasks}
+    for a, b, r in deps:
+        succ[a].append((b, f"waits on {r!r} written by"))
+    for prog in sched.programs:
+        for a, b in zip(prog, prog[1:]):
+            succ[a].append((b, "runs after"))
+    # iterative DFS for a cycle (white/grey/black), reported as the chain of tasks
+    color = {t.id: 0 for t in tasks}
+    parent: dict[int, tuple[int, str]] = {}
+    for root in sorted(color):
+        if color[root]:
+            continue
+        stack = [(root, iter(succ[root]))]
+        color[root] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                color[node] = 2
+                stack.pop()
+                continue
+            v, why = nxt
+            if color[v] == 0:
+                color[v] = 1
+                parent[v] = (node, why)
+                stack.append((v, iter(succ[v])))
+            elif color[v] == 1:
+                # back edge node -> v closes the cycle v -> ... -> node -> v; walk it via the parents
+                steps = [f"{tasks[v].label(cta[v])} {why} {tasks[node].label(cta[node])}"]
+                u = node
+                while u != v:
+                    p, w = parent[u]
+                    steps.append(f"{tasks[u].label(cta[u])} {w} {tasks[p].label(cta[p])}")
+                    u = p
+                raise ScheduleError(f"{sched.kind}: schedule can deadlock, cycle of waits and program order: "
+                                    + "; ".join(reversed(steps)))
+    for a, b, r in deps:
+        if tasks[a].stage >= tasks[b].stage:
+            raise ScheduleError(f"{sched.kind}: {tasks[b].label(cta[b])} waits on {r!r} written by "
+                                f"{tasks[a].label(cta[a])} in the same or a later stage (CPU mode runs stage "
+                                f"by stage, so it would wait forever)")
+
+
+# ---------------------------------------------------------------------- residency
+H100_LIMITS = dict(regs_per_sm=65536, smem_per_sm=228 * 1024, max_warps_per_sm=64, max_ctas_per_sm=32,
+                   reg_alloc=256, smem_reserved=1024)
+
+
+def max_resident_ctas(n_regs: int, num_warps: int, shared: int, n_sm: int, *, regs_per_sm=65536,
+                      smem_per_sm=228 * 1024, max_warps_per_sm=64, max_ctas_per_sm=32, reg_alloc=256,
+                      smem_reserved=1024) -> int:
+    """CTAs that fit on the device at once (Hopper rules; equals cuOccupancy... per research/triton.md §5)."""
+    regs_per_warp = math.ceil(max(n_regs, 1) * 32 / reg_alloc) * reg_alloc
+    by_regs = regs_per_sm // (regs_per_warp * num_warps)
+    by_warps = max_warps_per_sm // num_warps
+    by_smem = smem_per_sm // (math.ceil((shared + smem_reserved) / 128) * 128)
+    return n_sm * max(0, min(max_ctas_per_sm, by_regs, by_warps, by_smem))
+
+
+def check_residency(kind: str, grid: int, *, n_regs: int, num_warps: int, shared: int, n_sm: int, **limits) -> int:
+    """Raise ScheduleError unless all `grid` CTAs can be resident at once; returns the maximum."""
+    cap = max_resident_ctas(n_regs, num_warps, shared, n_sm, **limits)
+    if grid > cap:
+        raise ScheduleError(f"{kind}: grid of {grid} CTAs cannot be resident at once: the kernel uses {n_regs} "
+                            f"registers x {num_warps} warps and {shared} B shared memory, so at most {cap} CTAs "
+                            f"fit on {n_sm} SMs")
+    return cap
+
+
+def kernel_resources(compiled) -> dict:
+    """n_regs / n_spills / shared / num_warps of a compiled Triton kernel (loads its module if needed)."""
+    if getattr(compiled, "n_regs", None) is None:
+        compiled._init_handles()
+    return {"n_regs": compiled.n_regs, "n_spills": compiled.n_spills, "shared": compiled.metadata.shared,
+            "num_warps": compiled.metadata.num_warps}
+
+
+def device_sm_count(device) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count

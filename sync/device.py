@@ -1,0 +1,212 @@
+"""Device side of the hand-off protocols (DESIGN.md §4): launch tags, guarded waits, publishes.
+
+Every function here is a `@triton.jit` device function with one compiled form (inline PTX from
+`sync.asm`) and one interpreter form (`tl.atomic_*`), chosen at compile time by `in_interpreter()`.
+
+Uniformity rule: every value that steers control flow containing a CTA barrier must be the same in
+all threads. A thread-0 spin produces a per-thread value, so after it the CTA re-derives the outcome
+with reductions (`tl.sum`/`tl.max`, whose result every thread shares) or with scalar atomics (thread 0
+executes, the result is broadcast through shared memory).
+
+Guarded waits: each wait has a numbered site. It spins until satisfied, until the launch-wide abort
+word carries this launch's tag, or until `budget_ns` of %globaltimer pass. On failure it records
+{site, cta, wanted, seen} (first writer of the launch wins) and sets abort; it returns ok=0 and the
+caller's CTA skips its remaining tasks. Under the interpreter programs run one after another, so a
+wait that is not satisfied at once can never be: the budget is zero and the error is recorded at once.
+"""
+import triton
+import triton.language as tl
+
+from .asm import (fence_acq_rel, globaltimer, in_interpreter, ld_relaxed_u32, ld_relaxed_u64, line_match_bits,
+                  st_relaxed_u32, st_relaxed_u64, tid_x)
+from .header import H_ABORT, H_DONE, H_EPOCH, H_ERR, H_LAST_TAG
+
+TAG_MASK: tl.constexpr = tl.constexpr(0xFFFFFFFF)
+
+
+# ---------------------------------------------------------------------- launch begin / end
+@triton.jit
+def launch_begin(hdr, tag_stride, tag_offset):
+    """-> (tag, ok): this launch's tag from the device epoch; ok=0 if the launch already aborted
+    (stage-by-stage CPU mode: a later stage of a failed launch does nothing)."""
+    e = tl.atomic_add(hdr + H_EPOCH, 0, sem="acquire", scope="gpu")
+    tag = e * tag_stride + tag_offset + 1
+    if tl.program_id(0) == 0:
+        tl.store(hdr + H_LAST_TAG, tag)
+    ab = tl.atomic_add(hdr + H_ABORT, 0, sem="relaxed", scope="gpu")
+    return tag, (ab != tag).to(tl.int32)
+
+
+@triton.jit
+def launch_end(hdr, bump):
+    """Every CTA calls this once, last. With `bump`, the last CTA to arrive advances the epoch."""
+    if bump != 0:
+        tl.debug_barrier()          # every warp of this CTA is done with this launch's tag and words
+        old = tl.atomic_add(hdr + H_DONE, 1, sem="acq_rel", scope="gpu")
+        if old == tl.num_programs(0) - 1:
+            # all CTAs have read the epoch (each read it before arriving): safe to move it on
+            tl.atomic_xchg(hdr + H_DONE, 0, sem="relaxed", scope="gpu")
+            tl.atomic_add(hdr + H_EPOCH, 1, sem="release", scope="gpu")
+
+
+# ---------------------------------------------------------------------- error record
+@triton.jit
+def record_timeout(hdr, tag, site, cta, wanted, seen):
+    """Set abort; the first writer of this launch fills the error record. Call with uniform args."""
+    prev = tl.atomic_xchg(hdr + H_ABORT, tag, sem="acq_rel", scope="gpu")
+    if prev != tag:
+        tl.store(hdr + H_ERR + 1, site)
+        tl.store(hdr + H_ERR + 2, cta)
+        tl.store(hdr + H_ERR + 3, wanted)
+        tl.store(hdr + H_ERR + 4, seen)
+        # the record's tag goes last, with release, so a reader that sees the tag sees the fields
+        tl.atomic_xchg(hdr + H_ERR, tag, sem="release", scope="gpu")
+
+
+@triton.jit
+def aborted(hdr, tag):
+    """1 if some CTA of this launch has set abort (uniform)."""
+    return (tl.atomic_add(hdr + H_ABORT, 0, sem="relaxed", scope="gpu") == tag).to(tl.int32)
+
+
+# ---------------------------------------------------------------------- release side
+@triton.jit
+def release_cta():
+    """Make every store this CTA made so far visible at gpu scope before the stores that follow:
+    CTA barrier (other warps' stores happen-before), then a release fence in every thread."""
+    tl.debug_barrier()
+    if not in_interpreter():
+        fence_acq_rel()
+
+
+@triton.jit
+def store_words(ptr, val, mask):
+    """u32 flag stores that pollers read (relaxed, strong); caller has run release_cta()."""
+    if in_interpreter():
+        tl.atomic_xchg(ptr, val, mask=mask, sem="relaxed", scope="gpu")
+    else:
+        st_relaxed_u32(ptr, val, mask)
+
+
+@triton.jit
+def signal_box(box, n_cons, block_words, producer, tag, site, fault_site, BLOCK: tl.constexpr):
+    """Producer `producer` writes `tag` into its word of all `n_cons` consumers' blocks.
+
+    box: int32 base of the box region [consumers, block_words]. Everything the CTA stored before is
+    released first (plain-row drain). Skipped entirely when `site == fault_site` (fault injection).
+    """
+    if site != fault_site:
+        release_cta()
+        c = 0
+        while c < n_cons:
+            offs = c + tl.arange(0, BLOCK)
+            store_words(box + offs * block_words + producer, tl.zeros([BLOCK], tl.int32) + tag, offs < n_cons)
+            c += BLOCK
+
+
+@triton.jit
+def pack_pairs(payload, tag):
+    """int64 tagged pairs: payload (any 32-bit bits) in the high half, tag in the low half."""
+    return (payload.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (tag.to(tl.int64) & TAG_MASK)
+
+
+@triton.jit
+def publish_pairs(ptr, payload, tag, mask, site, fault_site):
+    """One 8-byte store per element (ptr: int64 pointers, payload: 32-bit values of the same shape).
+
+    A pair proves itself, so no barrier or fence is needed for the pair's own payload."""
+    if site != fault_site:
+        w = pack_pairs(payload, tag)
+        if in_interpreter():
+            tl.atomic_xchg(ptr, w, mask=mask, sem="relaxed", scope="gpu")
+        else:
+            st_relaxed_u64(ptr, w, mask)
+
+
+# ---------------------------------------------------------------------- acquire side
+@triton.jit
+def _load_pairs(ptr, mask):
+    if in_interpreter():
+        w = tl.atomic_add(ptr, tl.zeros(ptr.shape, tl.int64), mask=mask, sem="acquire", scope="gpu")
+    else:
+        w = ld_relaxed_u64(ptr, mask)
+    return tl.where(mask, w, 0)
+
+
+@triton.jit
+def await_pairs(ptr, mask, tag, hdr, site, cta, budget_ns):
+    """Wait until every masked pair word (1-D tensor of int64 pointers) carries `tag`.
+
+    -> (payload int32 tensor (bits; bitcast as needed), ok). ok=0: timed out or the launch aborted."""
+    w = _load_pairs(ptr, mask)
+    pend = mask & ((w & TAG_MASK).to(tl.int32) != tag)
+    if not in_interpreter():
+        t0 = globaltimer()
+        go = tl.max(pend.to(tl.int32), axis=0)
+        while go == 1:
+            w = _load_pairs(ptr, mask)
+            pend = mask & ((w & TAG_MASK).to(tl.int32) != tag)
+            stop = (ld_relaxed_u32(hdr + H_ABORT) == tag) | ((globaltimer() - t0) > budget_ns)
+            # max over (pending | stop << 1): 1 <=> no thread wants to stop and some word is pending
+            go = tl.max(pend.to(tl.int32) | (stop.to(tl.int32) * 2), axis=0)
+        fence_acq_rel()             # relaxed polls + one fence = acquire for whatever the caller reads next
+    npend = tl.sum(pend.to(tl.int32), axis=0)
+    ok = (npend == 0).to(tl.int32)
+    if npend != 0:
+        idx = tl.arange(0, ptr.shape[0])
+        first = tl.min(tl.where(pend, idx, ptr.shape[0]), axis=0)
+        seen = tl.sum(tl.where(idx == first, (w & TAG_MASK).to(tl.int32), 0), axis=0)
+        record_timeout(hdr, tag, site, cta, tag, seen)
+    return (w >> 32).to(tl.int32), ok
+
+
+@triton.jit
+def _spin_box(block, n_prod, tag, abort_ptr, budget_ns):
+    # Thread 0 only: nothing in here may emit bar.sync (no reductions, no scalar atomics, no barrier).
+    t0 = globaltimer()
+    line = 0
+    live = 1
+    while (line * 32 < n_prod) & (live != 0):
+        want = n_prod - line * 32
+        m = tl.where(want >= 32, -1, (1 << tl.minimum(want, 31)) - 1)
+        bits = line_match_bits(block + line * 32, tag)
+        if (bits & m) == m:
+            line += 1
+        else:
+            live = ((ld_relaxed_u32(abort_ptr) != tag) & ((globaltimer() - t0) <= budget_ns)).to(tl.int32)
+    fence_acq_rel()                 # acquire: the relaxed line loads above + this fence
+
+
+@triton.jit
+def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns):
+    """Wait until the first `n_prod` words of block `consumer` of the box carry `tag` -> ok (uniform).
+    `cta` (this CTA's id) only goes into the error record.
+
+    One thread polls the block (all 128-byte lines, relaxed vector loads, one fence), then a CTA
+    barrier; the CTA then re-reads the words with L1-bypassing loads to agree on the outcome."""
+    block = box + consumer * block_words
+    if not in_interpreter():
+        if tid_x() == 0:
+            _spin_box(block, n_prod, tag, hdr + H_ABORT, budget_ns)
+        tl.debug_barrier()          # orders the whole CTA after thread 0's acquire
+    offs = tl.arange(0, 32)
+    nbad = 0
+    seen = 0
+    line = 0
+    while line * 32 < n_prod:
+        m = line * 32 + offs < n_prod
+        if in_interpreter():
+            w = tl.atomic_add(block + line * 32 + offs, 0, mask=m, sem="acquire", scope="gpu")
+        else:
+            w = tl.load(block + line * 32 + offs, mask=m, other=0, cache_modifier=".cg")
+        bad = m & (w != tag)
+        nb = tl.sum(bad.to(tl.int32), axis=0)
+        first = tl.min(tl.where(bad, offs, 32), axis=0)
+        s = tl.sum(tl.where(offs == first, w, 0), axis=0)
+        seen = tl.where(nbad == 0, s, seen)
+        nbad += nb
+        line += 1
+    ok = (nbad == 0).to(tl.int32)
+    if nbad != 0:
+        record_timeout(hdr, tag, site, cta, tag, seen)
+    return ok

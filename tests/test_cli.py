@@ -1,0 +1,101 @@
+"""The command line: every subcommand's --help, make-checkpoint, generate (text and --json), demo,
+sites, fault injection with retry, and clear errors on bad input."""
+import json
+
+import pytest
+
+from glm53_flash.__main__ import main
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli") / "tiny"
+    assert main(["make-checkpoint", "--preset", "tiny", "--out", str(d), "--seed", "3"]) == 0
+    return d
+
+
+@pytest.mark.parametrize("cmd", ["make-checkpoint", "generate", "demo", "sites"])
+def test_help(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage:" in out and "--" in out
+
+
+def test_make_checkpoint_layout(tiny_dir):
+    files = sorted(p.name for p in tiny_dir.iterdir())
+    assert "config.json" in files and "model.safetensors.index.json" in files
+    assert sum(f.endswith(".safetensors") for f in files) >= 3
+
+
+def _generate_json(tiny_dir, capsys, *extra):
+    rc = main(["generate", "--checkpoint", str(tiny_dir), "--prompt", "3,17,42,5", "--max-new-tokens", "3",
+               "--json", *extra])
+    assert rc == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    return json.loads(line)
+
+
+def test_generate_json_matches_reference_path(tiny_dir, capsys):
+    auto = _generate_json(tiny_dir, capsys)
+    ref = _generate_json(tiny_dir, capsys, "--path", "reference")
+    assert set(auto) == {"tokens", "last_logits_top5"}
+    assert len(auto["tokens"]) == 3 and all(0 <= t < 1024 for t in auto["tokens"])
+    assert len(auto["last_logits_top5"]) == 5
+    ids = [i for i, _ in auto["last_logits_top5"]]
+    vals = [v for _, v in auto["last_logits_top5"]]
+    assert vals == sorted(vals, reverse=True) and len(set(ids)) == 5
+    assert auto["tokens"] == ref["tokens"]
+    for (i1, v1), (i2, v2) in zip(auto["last_logits_top5"], ref["last_logits_top5"]):
+        assert i1 == i2 and abs(v1 - v2) <= 2e-2 * max(1.0, abs(v2))
+
+
+def test_generate_bad_token(tiny_dir, capsys):
+    rc = main(["generate", "--checkpoint", str(tiny_dir), "--prompt", "3,5000", "--max-new-tokens", "2"])
+    assert rc == 2
+    assert "5000" in capsys.readouterr().err
+
+
+def test_generate_missing_checkpoint(tmp_path, capsys):
+    rc = main(["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt", "1", "--max-new-tokens", "1"])
+    assert rc == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_bad_prompt_syntax(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--checkpoint", "x", "--prompt", "3,a", "--max-new-tokens", "1"])
+    assert "comma-separated" in capsys.readouterr().err
+
+
+def test_sites_tail(capsys):
+    assert main(["sites", "--launch", "tail"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines, "the tail launch has wait sites"
+
+
+def test_inject_fault_retries_and_matches(tiny_dir, capsys):
+    from glm53_flash.launches import sites
+    clean = _generate_json(tiny_dir, capsys)
+    for site in sites("tail"):
+        rc = main(["generate", "--checkpoint", str(tiny_dir), "--prompt", "3,17,42,5", "--max-new-tokens", "3",
+                   "--json", "--inject-fault", f"tail:{site}"])
+        cap = capsys.readouterr()
+        assert rc == 0
+        assert "HandoffTimeout" in cap.err and site in cap.err
+        assert json.loads(cap.out.strip().splitlines()[-1])["tokens"] == clean["tokens"]
+
+
+def test_inject_fault_unknown_site(tiny_dir, capsys):
+    rc = main(["generate", "--checkpoint", str(tiny_dir), "--prompt", "3", "--max-new-tokens", "1",
+               "--inject-fault", "tail:no_such_site"])
+    assert rc == 2
+    assert "no_such_site" in capsys.readouterr().err
+
+
+def test_demo(tiny_dir, capsys):
+    rc = main(["demo", "--checkpoint", str(tiny_dir), "--max-new-tokens", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "decode agrees with prefill: yes" in out and "tokens/s" in out

@@ -1,0 +1,108 @@
+"""schedule.py: placement balanced by bytes, the task table, wait-site order, and the proofs that refuse
+a deadlock (injected cycle, program-order cycle, wait on a later stage) and an oversize grid."""
+import pytest
+
+from glm53_flash.schedule import (TASK_WORDS, ScheduleError, TaskGraph, build, check_residency, from_programs,
+                                  max_resident_ctas)
+
+FAMS = {"prod": 0, "work": 1, "red": 2}
+
+
+def _graph(n_work=13, sizes=None):
+    g = TaskGraph("k", FAMS)
+    g.stage("produce")
+    for r in range(3):
+        g.add("prod", (r,), writes=("row",), nbytes=100)
+    g.stage("work")
+    sizes = sizes or [1000 + 37 * i for i in range(n_work)]
+    for i, b in enumerate(sizes):
+        g.add("work", (i, b), reads=("row",), writes=("part",), nbytes=b)
+    g.stage("reduce")
+    g.add("red", (), reads=("part",), cta=2)
+    return g
+
+
+def test_balanced_deterministic_and_ordered():
+    g = _graph()
+    s = build(g, 5)
+    assert s.programs == build(_graph(), 5).programs                   # deterministic
+    loads = s.bytes_per_cta
+    biggest = max(t.nbytes for t in g.tasks)
+    assert max(loads) - min(loads) <= biggest                           # greedy largest-first bound
+    assert sum(loads) == sum(t.nbytes for t in g.tasks)
+    cta = s.cta_of()
+    assert cta[g.tasks[-1].id] == 2                                     # pinned reducer
+    for prog in s.programs:                                             # each CTA runs stages in order
+        stages = [s.tasks[t].stage for t in prog]
+        assert stages == sorted(stages)
+    assert s.sites == ["k.row", "k.part"] and s.site_id("part") == 1 and s.site_id("nope") == -1
+
+
+def test_table_matches_programs():
+    g = _graph()
+    s = build(g, 4)
+    table, starts = s.table()
+    assert table.shape == (len(g.tasks), TASK_WORDS) and starts.shape == (5,)
+    for c, prog in enumerate(s.programs):
+        rows = table[int(starts[c]): int(starts[c + 1])].tolist()
+        assert [r[0] for r in rows] == [FAMS[s.tasks[t].family] for t in prog]
+        assert [r[1] for r in rows] == [s.tasks[t].stage for t in prog]
+        assert [tuple(r[2: 2 + len(s.tasks[t].args)]) for r, t in zip(rows, prog)] == [s.tasks[t].args for t in prog]
+
+
+def test_injected_cycle_is_refused():
+    g = TaskGraph("k", FAMS)
+    g.stage("s0")
+    g.add("work", (0,), reads=("b",), writes=("a",), nbytes=1)
+    g.add("work", (1,), reads=("a",), writes=("b",), nbytes=1)
+    with pytest.raises(ScheduleError, match="cycle") as ei:
+        build(g, 2)
+    assert "task#0" in str(ei.value) and "task#1" in str(ei.value)
+
+
+def test_program_order_cycle_is_refused():
+    # CTA 0 runs the consumer before its own producer: the consumer waits forever
+    g = TaskGraph("k", FAMS)
+    g.stage("s0")
+    p = g.add("prod", (), writes=("row",))
+    g.stage("s1")
+    c = g.add("work", (), reads=("row",))
+    with pytest.raises(ScheduleError, match="cycle.*runs after"):
+        from_programs(g, 1, [[c.id, p.id]])
+    assert from_programs(g, 1, [[p.id, c.id]]).programs == [[0, 1]]
+
+
+def test_wait_on_later_stage_is_refused():
+    g = TaskGraph("k", FAMS)
+    g.stage("s0")
+    g.add("work", (), reads=("late",), cta=0)
+    g.stage("s1")
+    g.add("prod", (), writes=("late",), cta=1)
+    with pytest.raises(ScheduleError, match="same or a later stage"):
+        build(g, 2)
+
+
+def test_graph_errors():
+    g = TaskGraph("k", FAMS)
+    with pytest.raises(ScheduleError, match="before any stage"):
+        g.add("prod")
+    g.stage("s")
+    with pytest.raises(ScheduleError, match="unknown task family 'zap'"):
+        g.add("zap")
+    with pytest.raises(ScheduleError, match="7 args"):
+        g.add("prod", tuple(range(7)))
+    g.add("prod", (), cta=9)
+    with pytest.raises(ScheduleError, match="pinned outside grid 4"):
+        build(g, 4)
+    with pytest.raises(ScheduleError, match="grid=0"):
+        build(_graph(), 0)
+
+
+def test_residency_formula_and_refusal():
+    # research/triton.md §5 (H200, measured equal to the driver's occupancy query)
+    assert max_resident_ctas(25, 8, 0, 132) == 132 * 8                 # warp-limited: 64 / 8
+    assert max_resident_ctas(255, 8, 16384, 132) == 132                 # register-limited: 1 per SM
+    assert max_resident_ctas(90, 4, 48 * 1024, 132) == 132 * 4          # shared-memory-limited
+    assert check_residency("tail", 132, n_regs=255, num_warps=8, shared=16384, n_sm=132) == 132
+    with pytest.raises(ScheduleError, match="grid of 133 CTAs cannot be resident.*at most 132 CTAs fit on 132 SMs"):
+        check_residency("tail", 133, n_regs=255, num_warps=8, shared=16384, n_sm=132)

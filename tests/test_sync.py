@@ -1,0 +1,129 @@
+"""sync/: launch tags, tagged pairs, boxes (multi-line), plain rows + drain, guarded waits, fault
+injection and the error record, run as real kernel code under the interpreter (stage by stage), plus a
+compile-only check of the sm_90 PTX (no GPU needed): no CTA barrier inside the one-thread spin."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sync import HandoffTimeout, SiteRegistry, read_record, timeout_ns
+from sync.selftest import SITES, SelfTest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def proto():
+    # 40 CTAs: 3 producers, 36 consumers (so the back box has 36 producers: two lines per consumer)
+    return SelfTest(grid=40, producers=3, consumers=36, words=40, pairs=5)
+
+
+def test_pairs_boxes_drains_many_ctas(proto):
+    rec0 = read_record(proto.layout.view(proto.scratch, "hdr"))
+    for _ in range(2):
+        r = proto.run()
+        assert r == {"consumer_bad": 0, "total": 0, "epoch": r["epoch"]}
+    rec = read_record(proto.layout.view(proto.scratch, "hdr"))
+    assert rec.epoch == rec0.epoch + 2 and rec.last_tag == rec.epoch      # tag = epoch at start + 1
+    # nothing is cleared: every consumer's box word of every producer holds the latest tag
+    box1 = proto.layout.view(proto.scratch, "box1")[:, :3]
+    assert bool((box1 == rec.last_tag).all())
+    box2 = proto.layout.view(proto.scratch, "box2")[0, :36]
+    assert bool((box2 == rec.last_tag).all())
+    assert proto.layout.check_canaries(proto.scratch) == []
+
+
+def test_positive_control_counts_the_flipped_word(proto):
+    r = proto.run(corrupt=True)
+    assert r["consumer_bad"] == 36 and r["total"] == 36          # every consumer saw the one bad word
+    assert proto.run()["consumer_bad"] == 0
+
+
+@pytest.mark.parametrize("site", SITES)
+def test_fault_names_site_then_next_launch_clean(proto, site):
+    before = read_record(proto.layout.view(proto.scratch, "hdr"))
+    with pytest.raises(HandoffTimeout) as ei:
+        proto.run(fault=site)
+    e = ei.value
+    assert e.site == site and site in str(e)
+    assert e.wanted == before.epoch + 1 and e.seen != e.wanted     # saw an older tag
+    assert f"CTA {e.cta}" in str(e)
+    expect_cta = 0 if "back" in site else 40 - 36                  # first consumer to wait
+    assert e.cta == expect_cta
+    r = proto.run()
+    assert r["consumer_bad"] == 0 and r["total"] == 0
+    assert read_record(proto.layout.view(proto.scratch, "hdr")).epoch == before.epoch + 2
+
+
+def test_schedule_bug_fails_at_once_under_interpreter():
+    # all stages in one launch: CTA 0 (stage 2) waits on consumers that the interpreter runs later;
+    # the spin budget is zero there, so it is recorded at once instead of hanging
+    st = SelfTest(grid=6, producers=2, consumers=3, words=8, pairs=2)
+    with pytest.raises(HandoffTimeout, match="selftest.back_box"):
+        st.run(stagewise=False)
+    assert st.run()["consumer_bad"] == 0                          # stage by stage it is fine
+
+
+def test_host_guard_errors():
+    reg = SiteRegistry(["a.x", "a.y"])
+    assert reg.id("a.y") == 1 and reg.name(0) == "a.x" and "unknown" in reg.name(7)
+    with pytest.raises(KeyError, match="unknown wait site 'a.z'"):
+        reg.id("a.z")
+    with pytest.raises(ValueError, match="repeated"):
+        SiteRegistry(["a", "a"])
+    for bad in (0, -1, 61, "1"):
+        with pytest.raises(ValueError, match="timeout_s="):
+            timeout_ns(bad)
+    e = HandoffTimeout("tail.xn", 7, 5, 4, site_id=0, launch="tail")
+    assert str(e) == ("hand-off timeout at wait site 'tail.xn' (#0) in launch 'tail': CTA 7 wanted tag "
+                      "0x00000005, saw 0x00000004")
+
+
+_COMPILE = r"""
+import json, triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from sync.selftest import selftest_kernel as k
+sig = {n: ("*i32" if n in ("scratch", "bad") else "i64" if n == "timeout_ns" else "i32") for n in k.arg_names}
+sig["BLOCK"] = "constexpr"
+ck = triton.compile(ASTSource(fn=k, signature=sig, constexprs={"BLOCK": 128}), target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": 4})
+print(json.dumps({"ptx": ck.asm["ptx"]}))
+"""
+
+
+def spin_regions_without_barrier(ptx: str) -> list[int]:
+    """Line numbers of box polls (relaxed v4 loads) with a bar.sync between the tid.x test and the fence."""
+    lines = ptx.splitlines()
+    bad = []
+    for i, ln in enumerate(lines):
+        if "ld.relaxed.gpu.global.v4.u32" not in ln:
+            continue
+        a = max(j for j in range(i) if "%tid.x" in lines[j])
+        b = min(j for j in range(i, len(lines)) if "fence.acq_rel.gpu" in lines[j])
+        if any("bar.sync" in lines[j] or "barrier.sync" in lines[j] for j in range(a, b)):
+            bad.append(i)
+    return bad
+
+
+def test_spin_check_catches_a_barrier():
+    ptx = "mov.u32 %r1, %tid.x;\nbar.sync 0;\nld.relaxed.gpu.global.v4.u32 {%a,%b,%c,%d}, [%rd1];\nfence.acq_rel.gpu;"
+    assert spin_regions_without_barrier(ptx) == [2]
+    assert spin_regions_without_barrier(ptx.replace("bar.sync 0;", "add.s32 %r2, %r1, 1;")) == []
+
+
+def test_sm90_ptx_spin_has_no_cta_barrier():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ptx = json.loads(out.stdout.strip().splitlines()[-1])["ptx"]
+    assert ptx.count("ld.relaxed.gpu.global.v4.u32") >= 16         # two box waits, 8 vector loads each
+    assert "st.relaxed.gpu.global.b64" in ptx and "ld.relaxed.gpu.global.b64" in ptx
+    assert "%globaltimer" in ptx
+    assert spin_regions_without_barrier(ptx) == []
