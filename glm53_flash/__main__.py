@@ -93,10 +93,28 @@ def cmd_make_checkpoint(a) -> int:
     return 0
 
 
+def _mono_check(runner):
+    """GLM53_MONO_CHECK=1: attach check.py (repo root) to the runner; returns the checker or None."""
+    if os.environ.get("GLM53_MONO_CHECK", "") in ("", "0"):
+        return None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import check
+    checker = check.MonoCheck()
+    runner.hooks.append(check.hook(checker))
+    return checker
+
+
 def cmd_generate(a) -> int:
     from .runner import Runner
     r = Runner(a.checkpoint, device=a.device, path=a.path, max_len=a.max_len)
+    checker = _mono_check(r)
     res = r.generate(a.prompt, a.max_new_tokens, inject_fault=a.inject_fault)
+    if checker is not None:
+        print(checker.report(), file=sys.stderr)
+        if checker.violations:
+            return 1
     if a.json:
         top = res.last_logits.topk(5)
         print(json.dumps({"tokens": res.tokens,

@@ -57,6 +57,8 @@ class Runner:
         self.max_len = max_len
         self.ref = ReferenceModel(self.cfg, self.ckpt.dequantized(), device=device)
         self.kernels = {}
+        # after-launch hooks: hook(kind, launch, outputs: dict, reference: dict) (check.py's MONO_CHECK)
+        self.hooks = []
         if path == "auto":
             from .launches import available, build_launch
             for kind in available():
@@ -90,6 +92,10 @@ class Runner:
         if "tail" in self.kernels:
             tail = self.kernels["tail"]
             logits, ids = self._run_launch("tail", lambda site: tail.run(X, inject_fault=site), fault, faults)
+            if self.hooks:
+                ref = self.ref.tail(X)
+                for hook in self.hooks:
+                    hook("tail", tail, {"logits": logits, "ids": ids}, {"logits": ref, "ids": ref.argmax(-1)})
             return logits[0].float(), int(ids[0])
         logits = self.ref.tail(X)
         return logits[0], int(torch.argmax(logits[0]))                 # argmax: first max = lowest index

@@ -1,0 +1,143 @@
+"""MONO_CHECK: invariants checked after every persistent launch (enable with GLM53_MONO_CHECK=1).
+
+After a launch the runner hands this checker the launch object, its outputs and the reference's
+outputs for the same inputs. Checked, each counted as one check:
+- the launch's error record is clean (no wait site timed out, no abort);
+- every canary line after every scratch region is intact (no region overran its neighbour);
+- tagged-pair mailboxes: no word carries a tag newer than the launch's own (a future tag means a word
+  was written by something other than a launch of this header), and each pairs region holds at least
+  one word with the launch's tag (the region was used this launch);
+- box words: none newer than the launch's tag;
+- outputs finite;
+- per-output relative error ||out - ref|| / ||ref|| against the reference within its bound, and greedy
+  ids equal where both give them.
+`report()` gives "N checks, M violations" and the metrics table. Usage:
+    GLM53_MONO_CHECK=1 python -m glm53_flash generate --checkpoint DIR --prompt 3,17,42 --max-new-tokens 8
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+TAG_MASK = 0xFFFFFFFF
+
+
+def enabled() -> bool:
+    return os.environ.get("GLM53_MONO_CHECK", "") not in ("", "0")
+
+
+@dataclass
+class Metric:
+    launch: str
+    output: str
+    rel_err: float
+    bound: float
+
+
+@dataclass
+class MonoCheck:
+    checks: int = 0
+    violations: list[str] = field(default_factory=list)
+    metrics: list[Metric] = field(default_factory=list)
+
+    def _expect(self, ok: bool, what: str) -> None:
+        self.checks += 1
+        if not ok:
+            self.violations.append(what)
+
+    # ------------------------------------------------------------------ scratch invariants
+    def scratch(self, launch) -> None:
+        """Header record, canaries, pair and box tags of the latest launch of `launch`."""
+        name = launch.kind
+        rec = launch.record()
+        self._expect(not rec.failed, f"{name}: error record set (site {rec.site}, cta {rec.cta}, "
+                                     f"wanted {rec.wanted}, seen {rec.seen})")
+        bad = launch.canaries()
+        self._expect(not bad, f"{name}: canaries overwritten after regions {bad}")
+        tag = rec.last_tag & TAG_MASK
+        for r in launch.layout.regions:
+            if r.kind == "pairs":
+                words = launch.layout.view(launch.scratch, r.name).reshape(-1).to(torch.int64).cpu()
+                tags = words & TAG_MASK
+                self._expect(bool((tags <= tag).all()), f"{name}.{r.name}: pair words carry tags newer than {tag}")
+                self._expect(bool((tags == tag).any()), f"{name}.{r.name}: no pair word carries the launch tag {tag}")
+            elif r.kind == "box":
+                words = launch.layout.view(launch.scratch, r.name).reshape(-1).to(torch.int64).cpu() & TAG_MASK
+                self._expect(bool((words <= tag).all()), f"{name}.{r.name}: box words newer than tag {tag}")
+
+    # ------------------------------------------------------------------ outputs vs reference
+    def output(self, launch: str, out_name: str, out: torch.Tensor, ref: torch.Tensor | None,
+               bound: float = 1e-2) -> None:
+        out = out.detach().float().cpu()
+        self._expect(bool(torch.isfinite(out).all()), f"{launch}.{out_name}: non-finite values")
+        if ref is None:
+            return
+        ref = ref.detach().float().cpu()
+        self._expect(out.shape == ref.shape, f"{launch}.{out_name}: shape {tuple(out.shape)} vs reference "
+                                             f"{tuple(ref.shape)}")
+        if out.shape != ref.shape:
+            return
+        err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+        self.metrics.append(Metric(launch, out_name, err, bound))
+        self._expect(err <= bound, f"{launch}.{out_name}: relative error {err:.2e} > {bound:.0e}")
+
+    def ids(self, launch: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        ok = torch.equal(got.cpu().long(), want.cpu().long())
+        self._expect(ok, f"{launch}: greedy ids {got.tolist()} differ from the reference's {want.tolist()}")
+
+    # ------------------------------------------------------------------ report
+    def report(self) -> str:
+        lines = [f"MONO_CHECK: {self.checks} checks, {len(self.violations)} violations"]
+        lines += [f"  violation: {v}" for v in self.violations[:20]]
+        if len(self.violations) > 20:
+            lines.append(f"  ... and {len(self.violations) - 20} more")
+        if self.metrics:
+            lines.append(f"  {'launch':<10} {'output':<10} {'max rel err':>12} {'mean rel err':>13} {'bound':>7} n")
+            groups: dict[tuple[str, str], list[Metric]] = {}
+            for m in self.metrics:
+                groups.setdefault((m.launch, m.output), []).append(m)
+            for (ln, on), ms in groups.items():
+                errs = [m.rel_err for m in ms]
+                lines.append(f"  {ln:<10} {on:<10} {max(errs):12.2e} {sum(errs) / len(errs):13.2e} "
+                             f"{ms[0].bound:7.0e} {len(ms)}")
+        return "\n".join(lines)
+
+
+def hook(checker: MonoCheck):
+    """A runner after-launch hook feeding `checker`."""
+    def after_launch(kind, launch, outputs: dict, reference: dict) -> None:
+        checker.scratch(launch)
+        for name, out in outputs.items():
+            if name == "ids":
+                checker.ids(kind, out, reference["ids"])
+            else:
+                checker.output(kind, name, out, reference.get(name))
+    return after_launch
+
+
+def main(argv=None) -> int:
+    """`python check.py --checkpoint DIR [--prompt ...] [--max-new-tokens N] [--device cpu|cuda]`:
+    a greedy decode with every launch checked; exit 1 on any violation."""
+    import argparse
+    p = argparse.ArgumentParser(description="Decode with MONO_CHECK invariants after every launch.")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--prompt", default="3,17,42,7,99")
+    p.add_argument("--max-new-tokens", type=int, default=4)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    a = p.parse_args(argv)
+    if a.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from glm53_flash.runner import Runner
+    r = Runner(a.checkpoint, device=a.device)
+    checker = MonoCheck()
+    r.hooks.append(hook(checker))
+    res = r.generate([int(t) for t in a.prompt.split(",")], a.max_new_tokens)
+    print("tokens:", ",".join(map(str, res.tokens)))
+    print(checker.report())
+    return 1 if checker.violations else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""MONO_CHECK (check.py): clean decode gives 0 violations; planted faults are counted (positive controls)."""
+import pytest
+import torch
+
+import check
+from glm53_flash.checkpoint import make_random_checkpoint
+from glm53_flash.config import preset
+from glm53_flash.runner import Runner
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    d = tmp_path_factory.mktemp("chk") / "tiny"
+    make_random_checkpoint(preset("tiny"), d, seed=5, progress=False)
+    return Runner(str(d))
+
+
+def test_clean_decode_has_no_violations(runner):
+    c = check.MonoCheck()
+    runner.hooks[:] = [check.hook(c)]
+    runner.generate([3, 17, 42], 2)
+    assert c.checks > 10 and c.violations == []
+    assert "0 violations" in c.report() and "tail" in c.report()
+    assert all(m.rel_err < 1e-3 for m in c.metrics)
+
+
+def test_planted_faults_are_counted(runner):
+    c = check.MonoCheck()
+    runner.hooks[:] = []
+    runner.generate([3, 17], 1)
+    tail = runner.kernels["tail"]
+    c.scratch(tail)
+    assert c.violations == []
+    # a word of the candidate mailbox with a tag from the future, and an overwritten canary
+    cand = tail.layout.view(tail.scratch, "cand").view(-1)
+    cand[0] = (cand[0] & ~0xFFFFFFFF) | (int(cand[0] & 0xFFFFFFFF) + 7)
+    canary = next(r for r in tail.layout.regions if r.kind == "canary")
+    tail.scratch[canary.offset // 4] ^= 1
+    c.scratch(tail)
+    assert any("newer" in v for v in c.violations)
+    assert any("canar" in v for v in c.violations)
+    c.output("tail", "logits", torch.tensor([1.0, float("nan")]), None)
+    c.output("tail", "logits", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
+    c.ids("tail", torch.tensor([3]), torch.tensor([4]))
+    assert len(c.violations) >= 5
+    tail.scratch[canary.offset // 4] ^= 1          # restore for other tests
