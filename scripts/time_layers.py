@@ -297,6 +297,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-n", type=int, default=None, help="tail: lm_head rows per GEMV tile (default: the launch's)")
     ap.add_argument("--block-k", type=int, default=None, help="tail: K chunk per pipelined GEMV step")
     ap.add_argument("--num-stages", type=int, default=None, help="tail: GEMV software-pipeline depth")
+    ap.add_argument("--ctas-per-sm", type=int, default=None,
+                    help="tail: persistent grid = this many CTAs per SM (default: the launch's)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("time_layers.py needs a CUDA GPU", file=sys.stderr)
@@ -306,7 +308,9 @@ def main(argv=None) -> int:
     cfg.check_tp(args.tp)
     bw, bw_detail = measure_read_bw()
     if args.kind == "tail":
-        opts = dict(num_warps=args.num_warps, block_n=args.block_n, block_k=args.block_k, num_stages=args.num_stages)
+        opts = dict(num_warps=args.num_warps, block_n=args.block_n, block_k=args.block_k, num_stages=args.num_stages,
+                    grid=(args.ctas_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+                          if args.ctas_per_sm else None))
         cases = build_tail(cfg, args.tp, args.rows, args.weights, "cuda", opts)
     else:
         cases = KINDS[args.kind](cfg, args.tp, args.rows, args.weights, "cuda")
