@@ -25,7 +25,7 @@ import triton.language as tl     # noqa: E402
 
 from time_layers import (BenchCase, env_card, measure_read_bw, random_weight, read_cases, report,  # noqa: E402
                          time_interleaved)
-from glm53_flash.kernels.gemv import TUNED, GemvConfig, gemv, gemv_kernel                              # noqa: E402
+from glm53_flash.kernels.gemv import TUNED, GemvConfig, gemv, gemv_kernel, is_even                             # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------- baselines
@@ -61,19 +61,19 @@ def naive_fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, BLOCK_N: tl.constexp
 
 # ------------------------------------------------------------------------------------------ configs
 DEFAULT = dict(TUNED)
-SWEEP = {   # (block_n, block_k, num_warps, num_stages, k_split); pf_k 128 throughout
-    "bf16": [(64, 128, 2, 4, 1), (64, 128, 2, 3, 1), (64, 256, 2, 3, 1), (128, 128, 4, 3, 1), (32, 128, 1, 4, 1),
-             (64, 128, 4, 4, 1), (64, 128, 4, 3, 1), (64, 128, 4, 5, 1), (256, 128, 8, 3, 1), (128, 128, 8, 4, 1),
-             (32, 128, 2, 4, 2), (32, 128, 2, 3, 2), (64, 128, 2, 3, 2)],
-    "fp8": [(64, 128, 2, 4, 1), (64, 128, 2, 5, 1), (64, 256, 2, 3, 1), (128, 128, 4, 4, 1), (64, 256, 4, 3, 1),
-            (32, 128, 1, 6, 1), (256, 128, 8, 4, 1), (64, 128, 4, 4, 1),
-            (32, 128, 2, 4, 2), (32, 128, 2, 3, 2), (32, 128, 2, 6, 2), (32, 256, 2, 3, 2), (64, 128, 2, 4, 2),
-            (64, 128, 2, 3, 2), (32, 128, 4, 4, 2)],
+SWEEP = {   # (block_n, block_k, num_warps, num_stages, k_split[, even]); pf_k 128 throughout
+    # bf16: a few of the earlier best, to see the mask-free (EVEN) loop did not cost anything
+    "bf16": [(64, 128, 4, 3, 1, False), (64, 128, 4, 4, 1), (64, 128, 2, 4, 1)],
+    # FP8 after the K-loop diet (x -> f16 once per CTA, scalar scale, EVEN): stages, wider K, wider tiles
+    "fp8": [(64, 128, 4, 4, 1, False), (64, 128, 4, 3, 1), (64, 128, 4, 5, 1), (64, 128, 4, 6, 1),
+            (64, 256, 4, 3, 1), (64, 256, 4, 4, 1), (128, 128, 8, 4, 1), (128, 128, 8, 5, 1),
+            (128, 128, 4, 4, 1), (64, 128, 2, 4, 1), (32, 128, 2, 6, 1)],
 }
 
 
 def cfg_name(c: GemvConfig) -> str:
-    return f"bn{c.block_n} bk{c.block_k} w{c.num_warps} s{c.num_stages}" + (f" ks{c.k_split}" if c.k_split > 1 else "")
+    return (f"bn{c.block_n} bk{c.block_k} w{c.num_warps} s{c.num_stages}" + (f" ks{c.k_split}" if c.k_split > 1 else "")
+            + ("" if c.even else " masked"))
 
 
 def kernel_stats(c: GemvConfig, w, s, x, y) -> dict:
@@ -81,7 +81,8 @@ def kernel_stats(c: GemvConfig, w, s, x, y) -> dict:
     n, k = w.shape
     ck = gemv_kernel.warmup(x, w, s if s is not None else w, y, x.shape[0], n, k, k, n, x.shape[0] * n, k,
                             ROWS_PAD=c.rows_pad, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PF_K=c.pf_k,
-                            NUM_STAGES=c.num_stages, KSPLIT=c.k_split, num_warps=c.num_warps, grid=(1,))
+                            NUM_STAGES=c.num_stages, KSPLIT=c.k_split, EVEN=c.even and is_even(n, k, k, c),
+                            num_warps=c.num_warps, grid=(1,))
     ck._init_handles()
     return {"regs": ck.n_regs, "spills": ck.n_spills, "smem": ck.metadata.shared}
 
@@ -199,8 +200,8 @@ def sweep(ws, xs, ys, best: dict) -> list[dict]:
     for fmt, grid in SWEEP.items():
         w, s = ws[fmt][0]
         ref = xs[8].double() @ (w.double() if s is None else _dequant(w, s)).T
-        for bn, bk, nw, ns, ks in grid:
-            c = GemvConfig(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, k_split=ks)
+        for bn, bk, nw, ns, ks, *even in grid:
+            c = GemvConfig(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, k_split=ks, even=even[0] if even else True)
             try:
                 err = float((gemv(xs[8], w, s, cfg=c).double() - ref).norm() / ref.norm())
                 for rows in (1, 8):

@@ -92,6 +92,22 @@ def test_batch_invariance_and_determinism(fmt, split):
         assert torch.equal(gemv(mixed[: r + 1], w, s, cfg=cfg)[r], y8[r]), f"row {r} among others differs"
 
 
+@pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_even_mask_free_is_bitwise_equal(fmt, xdt):
+    # whole tiles (N % BLOCK_N == 0, K - PF_K % BLOCK_K == 0): the mask-free loop gives the masked one's bits
+    from glm53_flash.kernels.gemv import is_even
+    gen = torch.Generator().manual_seed(23)
+    n, k, rows = 64, 384, 3
+    w, s, wref = _weights(n, k, fmt, gen)
+    x = torch.randn(rows, k, generator=gen).to(xdt).to(DEV)
+    even = GemvConfig(block_n=32, block_k=128, pf_k=128, num_stages=2)
+    assert is_even(n, k, k, even) and not is_even(n + 32 - 1, k, k, even) and not is_even(n, k + 128 + 64, k + 192, even)
+    y = gemv(x, w, s, cfg=even)
+    assert torch.equal(y, gemv(x, w, s, cfg=GemvConfig(**{**even.__dict__, "even": False})))
+    assert _rel(y, x.double().cpu() @ wref.T) < TOL[xdt]
+
+
 @triton.jit
 def _walk_tiles(x_ptr, w_ptr, s_ptr, y_ptr, rows, N, K, n_tiles,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr, KSPLIT: tl.constexpr):
@@ -166,6 +182,8 @@ def test_gpu_real_shape(fmt):
         err = float((out.double() - ref).norm() / ref.norm())
         assert err < 1e-5, (cfg, err)
         assert torch.equal(out, gemv(x8, w, s, cfg=cfg))
+        if cfg.k_split == 1:                      # mask-free (EVEN) and masked loops: the same bits
+            assert torch.equal(out, gemv(x8, w, s, cfg=GemvConfig(**{**cfg.__dict__, "even": False})))
         for r in (0, 5):
             assert torch.equal(gemv(x8[r:r + 1], w, s, cfg=cfg)[0], out[r])
     # bits do not depend on the tile width, the warps, the stages or the padded row count (MMA elements
