@@ -12,7 +12,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 HBM_BPS = 4.48e12          # measured read-only streaming on the H200 (DESIGN.md §8)
-TOL = 1e-4
+TOL = 1e-4          # measured ~1e-5: xn as bf16 hi + lo rows (~16 mantissa bits), fp32 accumulation
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +56,11 @@ def _check(cfg, logits, tokens, X, nw, Wref, vocab_off=0):
     err = ((logits - ref).norm() / ref.norm()).item()
     assert err <= TOL, f"relative error {err:.2e}"
     assert tokens.tolist() == (logits.argmax(-1) + vocab_off).tolist()
+    # the token is a near-maximum of the reference: within twice the kernel's largest logit error
     top = ref.max(-1).values
     got = ref.gather(1, (tokens.long() - vocab_off).view(-1, 1)).squeeze(1)
-    assert bool((top - got <= 1e-4 * ref.abs().max()).all()), (top - got)
+    slack = 2 * (logits - ref).abs().max(-1).values
+    assert bool((top - got <= slack).all()), (top - got)
     return err
 
 
@@ -236,34 +238,41 @@ def test_gpu_tail_timing(cfg, weights):
             json.dump(rows_out, f, indent=1)
 
 
-SWEEP = [  # (block_n, block_k, num_stages, num_warps, CTAs per SM); 4 warps on 64-row tiles = no duplicate warps
-    (64, 128, 3, 4, 1), (64, 128, 3, 4, 2), (64, 128, 4, 4, 2), (64, 128, 3, 4, 3), (64, 128, 3, 4, 4),
-    (128, 128, 3, 8, 1), (128, 128, 3, 8, 2), (32, 128, 3, 2, 4), (64, 128, 3, 8, 1)]
+# (tp, fmt, TailLaunch options); per_sm = grid in CTAs per SM (None: the launch's occupancy-based default)
+SWEEP = [
+    (1, "bf16", dict()), (1, "bf16", dict(maxnreg=112)), (1, "bf16", dict(xpf=False)),
+    (1, "bf16", dict(num_stages=3, per_sm=5, maxnreg=96)),
+    (1, "fp8", dict()), (1, "fp8", dict(maxnreg=112)), (1, "fp8", dict(num_stages=3, per_sm=5, maxnreg=96)),
+    (8, "bf16", dict()), (8, "bf16", dict(per_sm=2)), (8, "bf16", dict(per_sm=1)),
+    (8, "bf16", dict(xpf=False, per_sm=2)), (8, "bf16", dict(l2_prefetch_k=512, per_sm=2))]
 
 
 @pytest.mark.skipif(os.environ.get("ENGINE_TAIL_SWEEP") != "1", reason="tile sweep: set ENGINE_TAIL_SWEEP=1")
 def test_gpu_tail_sweep(cfg, weights):
-    """Tail tile/pipeline/occupancy sweep (correctness checked per config), for choosing the defaults."""
+    """Tail option sweep (correctness checked per config), for choosing the defaults."""
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     rows_out = []
-    for tp, fmt in ((1, "bf16"), (1, "fp8"), (8, "bf16")):
-        X = torch.randn(1, 4, cfg.hidden_size, device="cuda", generator=weights["gen"])
-        for bn, bk, ns, nw, per_sm in SWEEP:
-            try:
-                L = _launch(cfg, weights, fmt, 1, tp=tp, rank=0, block_n=bn, block_k=bk, num_stages=ns,
-                            num_warps=nw, grid=n_sm * per_sm)
-                lg, tok = L.run(X)
-                assert tok.item() == lg.argmax().item()
-                us = _graph_time_us(L.enqueue)
-                floor = (L.W.numel() * L.W.element_size() + (L.S.numel() * 4 if L.fp8 else 0)) / HBM_BPS * 1e6
-                res = dict(L._resident.popitem()[1])
-                row = dict(tp=tp, fmt=fmt, block_n=bn, block_k=bk, stages=ns, warps=nw, grid=L.grid, us=round(us, 2),
-                           floor_us=round(floor, 2), pct_floor=round(100 * floor / us, 1), n_regs=res["n_regs"],
-                           n_spills=res["n_spills"], shared=res["shared"])
-            except Exception as e:          # a config that fails to compile or launch is reported, not fatal
-                row = dict(tp=tp, fmt=fmt, block_n=bn, block_k=bk, stages=ns, warps=nw, error=repr(e)[:200])
-            rows_out.append(row)
-            print(json.dumps(row))
+    X = torch.randn(1, 4, cfg.hidden_size, device="cuda", generator=weights["gen"])
+    for tp, fmt, opts in SWEEP:
+        kw = dict(opts)
+        per_sm = kw.pop("per_sm", None)
+        if per_sm:
+            kw["grid"] = n_sm * per_sm
+            kw["ctas_per_sm"] = per_sm
+        try:
+            L = _launch(cfg, weights, fmt, 1, tp=tp, rank=0, **kw)
+            lg, tok = L.run(X)
+            assert tok.item() == lg.argmax().item()
+            us = _graph_time_us(L.enqueue)
+            floor = (L.W.numel() * L.W.element_size() + (L.S.numel() * 4 if L.fp8 else 0)) / HBM_BPS * 1e6
+            res = dict(next(iter(L._resident.values())))
+            row = dict(tp=tp, fmt=fmt, opts=opts, grid=L.grid, us=round(us, 2), floor_us=round(floor, 2),
+                       pct_floor=round(100 * floor / us, 1), n_regs=res["n_regs"], n_spills=res["n_spills"],
+                       shared=res["shared"])
+        except Exception as e:          # a config that fails to compile or launch is reported, not fatal
+            row = dict(tp=tp, fmt=fmt, opts=opts, error=repr(e)[:300])
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "tail_sweep.json"), "w") as f:

@@ -18,7 +18,7 @@ from glm53_flash.reference.ops import tail_logits
 from sync import HandoffTimeout
 
 ROOT = Path(__file__).resolve().parents[1]
-TOL = 1e-4          # measured ~1e-5: fp32 activations (bf16 hi + lo), fp32 accumulation
+TOL = 1e-4          # measured ~1e-5: xn as bf16 hi + lo rows (~16 mantissa bits), fp32 accumulation
 
 
 def _weights(cfg, gen, fp8=False):
@@ -38,9 +38,11 @@ def _check(cfg, logits, tokens, X, nw, Wref, rows, vocab_off=0):
     assert err <= TOL, f"relative error {err:.2e}"
     # the token is the kernel's own argmax (first max = lowest index) and a maximum of the reference
     assert tokens.tolist() == (logits.argmax(-1) + vocab_off).tolist()
+    # the token is a near-maximum of the reference: within twice the kernel's largest logit error
     top = ref.max(-1).values
     got = ref.gather(1, (tokens.long() - vocab_off).view(-1, 1)).squeeze(1)
-    assert bool((top - got <= 1e-4 * ref.abs().max()).all())
+    slack = 2 * (logits - ref).abs().max(-1).values
+    assert bool((top - got <= slack).all())
     return err
 
 
@@ -59,6 +61,20 @@ def test_tail_vs_reference(tiny_cfg, gen, width, fp8):
     logits, tokens = L.run(X)
     _check(tiny_cfg, logits, tokens, X, nw, Wref, width)
     assert L.canaries() == [] and not L.record().failed
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_tail_odd_grid_task_ranges(tiny_cfg, gen, fp8):
+    # grid 3: 1024 / 3 rows per task, so bf16 ranges start off the 64-row tile grid (16-row aligned) and
+    # FP8 ranges must stay on it (one scale per tile, kernels/gemv.py)
+    W, S, Wref, nw = _weights(tiny_cfg, gen, fp8)
+    X = torch.randn(2, 4, tiny_cfg.hidden_size, generator=gen)
+    L = _poisoned(TailLaunch(tiny_cfg, W, nw, S, width=2, grid=3))
+    starts = [t.args[0] for t in L.schedule.tasks if t.family == "gemv"]
+    assert len(starts) == 3 and all(s % (64 if fp8 else 16) == 0 for s in starts)
+    assert fp8 or any(s % 64 for s in starts)
+    logits, tokens = L.run(X)
+    _check(tiny_cfg, logits, tokens, X, nw, Wref, 2)
 
 
 @pytest.mark.parametrize("width, rows, fp8", [(8, 5, False), (4, 4, True)], ids=["w8-rows5-bf16", "w4-fp8"])
@@ -196,8 +212,8 @@ def test_sites_api():
     assert "tail" in available()
     assert sites("tail") == ["tail.xn", "tail.cand"]
     assert sites("tail", tp=2) == ["tail.xn", "tail.cand", "tail.xchg"]
-    with pytest.raises(ValueError, match="launch kind 'kda' is not implemented"):
-        sites("kda")
+    with pytest.raises(ValueError, match="launch kind 'nope' is not implemented"):
+        sites("nope")
 
 
 _COMPILE = r"""
@@ -207,13 +223,14 @@ from triton.backends.compiler import GPUTarget
 from glm53_flash.launches.tail import tail_kernel as k
 P = dict(table="*i32", starts="*i32", X="*fp32", norm_w="*bf16", logits="*fp32", tokens="*i32", best="*i32",
          scratch="*i32", xchg="*i64", peer_src="*i32", eps="fp32", timeout_ns="i64")
-C = dict(H=4096, CH=1024, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=3, LOCAL_NORM=False, SLOTS=16)
 out = {}
 for fp8 in (False, True):
+    C = dict(H=4096, CH=512, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=4, LOCAL_NORM=False, SLOTS=64,
+             L2_LINES=2 if fp8 else 4, EPL=128 if fp8 else 64, XPF=True, ROW16=True, XR=4)
     sig = {n: ("constexpr" if n in C else P.get(n, "i32")) for n in k.arg_names}
     sig["W"], sig["S"] = ("*fp8e4nv", "*fp32") if fp8 else ("*bf16", "*bf16")
     ck = triton.compile(ASTSource(fn=k, signature=sig, constexprs=C), target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": 8})
+                        options={"num_warps": 4, "maxnreg": 112})
     out[str(fp8)] = ck.asm["ptx"]
 print(json.dumps(out))
 """
@@ -229,3 +246,16 @@ def test_sm90_compile_and_spin_regions():
     for fp8, ptx in json.loads(out.stdout.strip().splitlines()[-1]).items():
         assert "mma.sync" in ptx and ptx.count("ld.relaxed.gpu.global.v4.u32") == 8, fp8
         assert spin_regions_without_barrier(ptx) == [], fp8
+
+
+def test_sm90_registers_offline():
+    """The tail at the real shape (H 4096, 4 warps, the launch's constexprs) fits 4 CTAs per SM: <= 112
+    registers (the default maxnreg), nothing spilled (scripts/regs_offline.py; no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "regs_offline.py"), "tail_bf16_max112",
+                          "tail_fp8_max112"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for line in out.stdout.strip().splitlines():
+        r = json.loads(line)
+        assert r["regs"] <= 112 and r["spill"] == 0, r

@@ -2,36 +2,45 @@
 logits out, and the greedy token (argmax across CTAs, then across TP ranks), in one persistent kernel.
 
 Stages (schedule.py places them; sync/ hands off between them):
-  0 norm     "box" mode: one task per row (up to the built width) writes the normed row xn (fp32) and
-             signals box `xn` to every CTA (plain rows + release drain). "local" mode: every CTA
-             normalises all rows into its own slot instead (no hand-off, redundant reads of X).
-  1 lm_head  contiguous ranges of BLOCK_N-row tiles, balanced by weight bytes. A task issues its first
-             weight chunk before it waits on `xn` (kernels/gemv.py prefetch/finish), stores logits and
-             publishes its range's per-row candidate (value, index) as tagged pairs (mailbox `cand`).
-  2 reduce   CTA 0 awaits every candidate slot and reduces them in slot order (ties -> lower index).
+  0 norm     "box" mode: one task per row (up to the built width) writes the normed row xn and signals
+             box `xn` to every CTA (plain rows + release drain). "local" mode: every CTA normalises all
+             rows into its own slot instead (no hand-off, redundant reads of X).
+  1 lm_head  one contiguous vocab row range per CTA, equal bytes (bf16: 16-row aligned; FP8: whole
+             BLOCK_N tiles, see build_graph). A task moves its first tile's first lines to L2
+             (prefetch.global.L2) before it waits on `xn`, then streams its tiles (kernels/gemv.py),
+             stores logits and publishes its per-row candidate (value, index) as tagged pairs (`cand`).
+  2 reduce   CTA 0 awaits every candidate slot and reduces them in slot order (ties -> lower index),
+             64 slots (values and indices together) per L2 round trip.
              TP 1: writes the tokens. TP > 1: publishes the rank's candidate to every rank's `xchg`
              slot; in loopback mode (one GPU) peer tasks publish the other ranks' candidates locally.
   3 final    (TP > 1) CTA 0 awaits the `xchg` slots of all ranks and reduces them in rank order.
-Norm mode (measured on the H200, kernel time per launch in a CUDA graph): "box" beat "local" in every
-case: TP1 bf16 517.6 vs 530.4 us at 1 row and 517.9 vs 547.4 us at 8 rows; TP8 154.2 vs 157.7 / 151.6
-vs 167.3 us. Local mode reads X (rows x 64 KB, twice) in every CTA before its first GEMV; box mode
-runs the norm in `width` CTAs and its one hop (~1 us) is hidden behind the first weight chunk each
-CTA issues before the wait. So "box" is the default.
-xn travels as fp32 (the GEMV multiplies it as bf16 hi + lo): the tail decides the token, so its
-input keeps ~16 mantissa bits instead of bf16's 8 (relative logit error ~1e-5 vs the fp32 reference).
-Registers: the GEMV family dominates (kernels/gemv.py: 200-255 registers on its own). 8 warps with
-BLOCK_K=128 give 255 registers and <= 48 B of stack; 4 warps with BLOCK_K=256 made ptxas (12.8) fall
-back to 32 registers and a 3.6 KB stack. Speed (H200, first run): 2.45 TB/s (55% of the HBM floor)
-at TP1 bf16, 31% for FP8, 23% at TP8: streaming, not hand-offs, limits it (one 255-register CTA per
-SM keeps too few bytes in flight); `tests/test_gpu_engine.py::test_gpu_tail_sweep` measures the knobs.
+Norm mode: "box" beat "local" on the H200 in every case measured (box runs the norm in `width` CTAs
+and hides its hop behind the L2 prefetch), so "box" is the default.
+xn precision: the norm writes y ~= hi + lo as two bf16 rows (~16 mantissa bits; relative logit error
+~5e-6 vs the fp32 reference on the H200). hi rows 0..XR-1 and lo rows XR..2XR-1 are the x rows of ONE
+MMA of 2*XR columns; logits of row r = column r + column XR + r. XR = 4 for widths <= 4 (n8 mma.sync),
+8 for width 8 (n16: wgmma at 4 warps, 102 KB shared memory, 2 CTAs/SM; FP8 bits of width 8 differ from
+the narrower builds'). An fp32 xn split inside the MMA loop cost ~75 registers (gemv.py _dot_x).
+Registers (scripts/regs_offline.py, sm_90, 4 warps): the old kernel was 255 because (a) fp32 xn
+(standalone GEMV 62 -> 138), (b) the families were inlined into one while loop, whose loop-invariant
+index tensors (norm chunks, reduce offsets) the compiler hoisted to the loop top, live across the GEMV,
+(c) the register prefetch (32 registers) held across the wait, (d) masks against runtime bounds of
+unknown alignment. Now: cold families are noinline calls, the wait happens once before the tile loop
+(after an L2 prefetch), bounds carry 16-row alignment, and maxnreg=112 (no spills): 112 registers,
+55 KB shared (bf16, 4 stages) -> 4 CTAs/SM; grid=None picks the resident maximum (<= 4/SM).
+H200, 1 row, CUDA graph: TP1 bf16 307.8 us (92% of the 283 us floor; torch ops 321-323 us), FP8 ~185
+us (77%; measured with a scale bug since fixed), TP8 bf16 67-69 us (52%; torch 71 us).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from layout import Planner
+from sync.asm import in_interpreter
 from sync.device import launch_begin, launch_end, signal_box, wait_box
 
 from ..config import GlmConfig
@@ -40,7 +49,7 @@ from ..kernels.gemv import gemv_finish, gemv_prefetch, gemv_store
 from ..kernels.sample import (ROWS_PAD, SLOT_WORDS, argmax_merge, empty_candidate, publish_candidate,
                               reduce_candidates, tile_argmax)
 from ..schedule import TaskGraph
-from .base import Launch
+from .base import Launch, interpreting
 
 FAMILIES = {"norm": 0, "norm_local": 1, "gemv": 2, "reduce": 3, "peer": 4, "final": 5}
 NORM_MODES = ("box", "local")
@@ -48,29 +57,113 @@ DEFAULT_NORM_MODE = "box"
 WIDTHS = (1, 2, 4, 8)
 F32_NEG_INF_BITS = -8388608          # 0xFF800000
 INT32_MAX = 2147483647
-ROWS = 8                             # widest build = rows of a candidate slot = GEMV ROWS_PAD
-SLOT = 2 * ROWS                      # int64 pairs per candidate slot (kernels/sample.py)
+ROWS_H = 8                           # widest build = rows of a candidate slot (host int)
+ROWS: tl.constexpr = tl.constexpr(ROWS_H)
+SLOT = 2 * ROWS_H                     # int64 pairs per candidate slot (kernels/sample.py)
+NORM_CH = 512                        # norm chunk (elements); H must be a multiple of gcd(NORM_CH, H)
+REDUCE_SLOTS = 64                    # candidate slots per reduce step (one L2 round trip each)
+DEFAULT_CTAS_PER_SM = 4              # grid=None cap on the GPU (see _fit_grid)
+DEFAULT_MAXNREG = 112                # ptxas cap, widths <= 4 (-1 = this default; None = ptxas's choice)
 
 
 @triton.jit
-def _norm_row(X, norm_w, out, r, eps, H: tl.constexpr, CH: tl.constexpr):
-    """out[k] = rms_norm(mean_m X[r, m, :])[k] * w[k] (fp32), in CH-wide chunks (two passes over L2)."""
+def _norm_row(X, norm_w, out, r, eps, H: tl.constexpr, CH: tl.constexpr, XR: tl.constexpr):
+    """y[k] = rms_norm(mean_m X[r, m, :])[k] * w[k] (fp32) as bf16 hi = out[k] and lo = out[XR * H + k]
+    (y ~= hi + lo, ~16 mantissa bits), in CH-wide chunks (two passes over L2).
+    Runtime chunk loops: an unrolled static loop kept all chunks' loads (4 x [CH] fp32 each) in flight,
+    and this branch shares the persistent kernel's register budget with the GEMV."""
     base = X + r * 4 * H
     ss = tl.zeros([CH], tl.float32)
-    for c in tl.static_range(0, H, CH):
+    for c in range(0, H, CH):
         k = c + tl.arange(0, CH)
-        m = k < H
-        xm = (tl.load(base + k, mask=m, other=0.0) + tl.load(base + H + k, mask=m, other=0.0)
-              + tl.load(base + 2 * H + k, mask=m, other=0.0) + tl.load(base + 3 * H + k, mask=m, other=0.0)) * 0.25
+        xm = (tl.load(base + k) + tl.load(base + H + k) + tl.load(base + 2 * H + k) + tl.load(base + 3 * H + k)) * 0.25
         ss += xm * xm
     inv = tl.rsqrt(tl.sum(ss, axis=0) / H + eps)
-    for c in tl.static_range(0, H, CH):
+    for c in range(0, H, CH):
         k = c + tl.arange(0, CH)
-        m = k < H
-        xm = (tl.load(base + k, mask=m, other=0.0) + tl.load(base + H + k, mask=m, other=0.0)
-              + tl.load(base + 2 * H + k, mask=m, other=0.0) + tl.load(base + 3 * H + k, mask=m, other=0.0)) * 0.25
-        w = tl.load(norm_w + k, mask=m, other=0.0).to(tl.float32)
-        tl.store(out + k, xm * inv * w, mask=m)
+        xm = (tl.load(base + k) + tl.load(base + H + k) + tl.load(base + 2 * H + k) + tl.load(base + 3 * H + k)) * 0.25
+        w = tl.load(norm_w + k).to(tl.float32)
+        y = xm * inv * w
+        hi = y.to(tl.bfloat16)
+        tl.store(out + k, hi)
+        tl.store(out + XR * H + k, (y - hi.to(tl.float32)).to(tl.bfloat16))
+
+
+@triton.jit
+def _l2_prefetch(W, n0, n1, H: tl.constexpr, BLOCK_N: tl.constexpr, LINES: tl.constexpr, EPL: tl.constexpr):
+    """prefetch.global.L2 of the first LINES 128-byte lines (EPL elements each) of rows n0..n0+BLOCK_N-1
+    (< n1): bytes start moving while nothing is held in registers (a register prefetch held 32 registers
+    per thread across the wait and the loops)."""
+    if not in_interpreter():
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_l = tl.arange(0, LINES) * EPL
+        ptrs = W + offs_n[:, None].to(tl.int64) * H + offs_l[None, :]
+        m = (offs_n[:, None] < n1) & (offs_l[None, :] < H)
+        tl.inline_asm_elementwise("{\n.reg .pred %pm;\nsetp.ne.b32 %pm, $2, 0;\n@%pm prefetch.global.L2 [$1];\n"
+                                  "mov.u32 $0, 0;\n}", "=r,l,r", [ptrs, m.to(tl.int32)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+# The families run in one while loop; inlined, the compiler hoists each family's loop-invariant index
+# tensors to the loop's top, where they stay live through the GEMV (the kernel reached 255 registers).
+# As calls (noinline) the cold families keep their registers to themselves.
+@triton.jit(noinline=True)
+def _norm_task(X, norm_w, xn, a0, rows, eps, box, box_words, tag, site_xn, fault_site, H: tl.constexpr,
+               CH: tl.constexpr, XR: tl.constexpr):
+    if a0 < rows:
+        _norm_row(X, norm_w, xn + a0 * H, a0, eps, H, CH, XR)
+    signal_box(box, tl.num_programs(0), box_words, a0, tag, site_xn, fault_site, 128)
+
+
+@triton.jit(noinline=True)
+def _norm_local_task(X, norm_w, xn, rows, eps, H: tl.constexpr, CH: tl.constexpr, XR: tl.constexpr):
+    r = 0
+    while r < rows:
+        _norm_row(X, norm_w, xn + r * H, r, eps, H, CH, XR)
+        r += 1
+    tl.debug_barrier()                                               # own warps' stores before the GEMVs
+
+
+@triton.jit(noinline=True)
+def _wait_xn(box, pid, box_words, n_norm, tag, hdr, site_xn, timeout_ns):
+    return wait_box(box, pid, box_words, n_norm, tag, hdr, site_xn, pid, timeout_ns)
+
+
+@triton.jit(noinline=True)
+def _reduce_task(cand, n_slots, rows, tag, hdr, site_cand, site_xchg, fault_site, pid, timeout_ns, best, tokens,
+                 xchg, tp_rank, tp_size, SLOTS: tl.constexpr):
+    rr = tl.arange(0, ROWS_PAD)
+    bv, bi, ok = reduce_candidates(cand, n_slots, rows, tag, hdr, site_cand, pid, timeout_ns, SLOTS)
+    if ok != 0:
+        tl.store(best + rr, bv.to(tl.int32, bitcast=True), mask=rr < rows)
+        tl.store(best + ROWS_PAD + rr, bi, mask=rr < rows)
+        if tp_size == 1:
+            tl.store(tokens + rr, bi, mask=rr < rows)
+        else:
+            d = 0
+            while d < tp_size:                                       # this rank's slot of every rank
+                publish_candidate(xchg + (d * tp_size + tp_rank) * SLOT_WORDS, bv, bi, rows, tag, site_xchg,
+                                  fault_site)
+                d += 1
+    return ok
+
+
+@triton.jit(noinline=True)
+def _peer_task(peer_src, xchg, a0, rows, tag, tp_rank, tp_size, site_xchg, fault_site):
+    rr = tl.arange(0, ROWS_PAD)
+    pv = tl.load(peer_src + a0 * 2 * ROWS_PAD + rr).to(tl.float32, bitcast=True)
+    pi = tl.load(peer_src + a0 * 2 * ROWS_PAD + ROWS_PAD + rr)
+    publish_candidate(xchg + (tp_rank * tp_size + a0) * SLOT_WORDS, pv, pi, rows, tag, site_xchg, fault_site)
+
+
+@triton.jit(noinline=True)
+def _final_task(xchg, tokens, rows, tag, hdr, tp_rank, tp_size, site_xchg, pid, timeout_ns):
+    rr = tl.arange(0, ROWS_PAD)
+    bv, bi, ok = reduce_candidates(xchg + tp_rank * tp_size * SLOT_WORDS, tp_size, rows, tag, hdr, site_xchg, pid,
+                                   timeout_ns, 8)
+    if ok != 0:
+        tl.store(tokens + rr, bi, mask=rr < rows)
+    return ok
 
 
 @triton.jit(do_not_specialize=["rows", "vocab_off", "tp_rank", "tp_size", "stage_lo", "stage_hi", "bump",
@@ -82,16 +175,17 @@ def tail_kernel(table, starts, X, norm_w, W, S, logits, tokens, best, scratch, x
                 stage_lo, stage_hi, bump, tag_stride, tag_offset, fault_site, timeout_ns,
                 site_xn, site_cand, site_xchg,
                 H: tl.constexpr, CH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, LOCAL_NORM: tl.constexpr, SLOTS: tl.constexpr):
+                PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, LOCAL_NORM: tl.constexpr, SLOTS: tl.constexpr,
+                L2_LINES: tl.constexpr, EPL: tl.constexpr, XPF: tl.constexpr, ROW16: tl.constexpr,
+                XR: tl.constexpr):
     pid = tl.program_id(0)
     hdr = scratch + o_hdr
     s64 = scratch.to(tl.pointer_type(tl.int64), bitcast=True)
     cand = s64 + o_cand                                              # [n_slots, SLOT_WORDS] pairs
-    xn = scratch.to(tl.pointer_type(tl.float32), bitcast=True) + o_xn  # [width, H] fp32 (local: per CTA)
+    xn = scratch.to(tl.pointer_type(tl.bfloat16), bitcast=True) + o_xn  # [2, ROWS, H] bf16 (local: per CTA)
     if LOCAL_NORM:
         xn += pid * xn_cta_stride
     box = scratch + o_box
-    rr = tl.arange(0, ROWS_PAD)
     tag, ok = launch_begin(hdr, tag_stride, tag_offset)
     xn_ready = 0                                                     # this CTA already passed site xn
     i = tl.load(starts + pid)
@@ -104,72 +198,55 @@ def tail_kernel(table, starts, X, norm_w, W, S, logits, tokens, best, scratch, x
         a2 = tl.load(table + i * 8 + 4)
         if (st >= stage_lo) & (st < stage_hi):
             if fam == 0:                                             # norm (box mode): row a0
-                if a0 < rows:
-                    _norm_row(X, norm_w, xn + a0 * H, a0, eps, H, CH)
-                signal_box(box, tl.num_programs(0), box_words, a0, tag, site_xn, fault_site, 128)
+                _norm_task(X, norm_w, xn, a0, rows, eps, box, box_words, tag, site_xn, fault_site, H, CH, XR)
             elif fam == 1:                                           # norm_local: every row, own slot
-                r = 0
-                while r < rows:
-                    _norm_row(X, norm_w, xn + r * H, r, eps, H, CH)
-                    r += 1
-                tl.debug_barrier()                                   # own warps' stores before the GEMVs
-            elif fam == 2:                                           # gemv: tiles a0..a0+a1-1, slot a2
+                _norm_local_task(X, norm_w, xn, rows, eps, H, CH, XR)
+            elif fam == 2:                                           # gemv: vocab rows a0..a1-1, slot a2
+                if not LOCAL_NORM:
+                    if xn_ready == 0:
+                        # the first tile's first lines move to L2 while the norm finishes (hides the hop)
+                        _l2_prefetch(W, a0, a1, H, BLOCK_N, L2_LINES, EPL)
+                        ok = _wait_xn(box, pid, box_words, n_norm, tag, hdr, site_xn, timeout_ns)
+                        xn_ready = ok
+                if ROW16:
+                    a1 = (a1 >> 4) << 4                              # tells the masks: 16-row granules
+                a0 = (a0 >> 4) << 4
                 bv, bi = empty_candidate()
-                j = 0
-                while (j < a1) & (ok != 0):
-                    n0 = (a0 + j) * BLOCK_N
-                    w0 = gemv_prefetch(W, n0, 0, H, V_rank, H, BLOCK_N, PF_K)   # weights before the wait
-                    if not LOCAL_NORM:
-                        if xn_ready == 0:
-                            ok = wait_box(box, pid, box_words, n_norm, tag, hdr, site_xn, pid, timeout_ns)
-                            xn_ready = ok
-                    if ok != 0:
-                        acc = gemv_finish(w0, W, S, xn, H, rows, n0, 0, H, V_rank, H, ROWS_PAD, BLOCK_N, BLOCK_K,
-                                          PF_K, NUM_STAGES)
-                        gemv_store(logits, V_rank, acc, rows, n0, V_rank, ROWS_PAD, BLOCK_N)
-                        v, ix = tile_argmax(acc, n0, V_rank, vocab_off, BLOCK_N)
-                        bv, bi = argmax_merge(bv, bi, v, ix)
-                    j += 1
+                n0 = a0
+                while (n0 < a1) & (ok != 0):
+                    if XPF:                                          # next tile's first lines, to L2
+                        _l2_prefetch(W, n0 + BLOCK_N, a1, H, BLOCK_N, L2_LINES, EPL)
+                    # rows >= a1 (the task's end) are masked: a task is any 16-row aligned range
+                    n0 = (n0 >> 4) << 4                              # (alignment lost on the loop variable)
+                    w0 = gemv_prefetch(W, n0, 0, H, a1, H, BLOCK_N, PF_K)
+                    # xn rows 0..XR-1 = hi, XR..2XR-1 = lo: one 2XR-column MMA, then column r + column XR + r
+                    acc2 = gemv_finish(w0, W, S, xn, H, 2 * XR, n0, 0, H, a1, H, 2 * XR, BLOCK_N, BLOCK_K,
+                                       PF_K, NUM_STAGES)
+                    acc = tl.sum(tl.reshape(acc2, (BLOCK_N, 2, XR)), axis=1)
+                    if XR < ROWS:                                    # back to ROWS columns (copies, masked)
+                        acc = tl.reshape(tl.broadcast_to(acc[:, None, :], (BLOCK_N, ROWS // XR, XR)),
+                                         (BLOCK_N, ROWS))
+                    gemv_store(logits, V_rank, acc, rows, n0, a1, ROWS_PAD, BLOCK_N)
+                    v, ix = tile_argmax(acc, n0, a1, vocab_off, BLOCK_N)
+                    bv, bi = argmax_merge(bv, bi, v, ix)
+                    n0 += BLOCK_N
                 if ok != 0:
                     publish_candidate(cand + a2 * SLOT_WORDS, bv, bi, rows, tag, site_cand, fault_site)
             elif fam == 3:                                           # reduce: all slots, in slot order
-                bv, bi, ok = reduce_candidates(cand, n_slots, rows, tag, hdr, site_cand, pid, timeout_ns, SLOTS)
-                if ok != 0:
-                    tl.store(best + rr, bv.to(tl.int32, bitcast=True), mask=rr < rows)
-                    tl.store(best + ROWS_PAD + rr, bi, mask=rr < rows)
-                    if tp_size == 1:
-                        tl.store(tokens + rr, bi, mask=rr < rows)
-                    else:
-                        d = 0
-                        while d < tp_size:                           # this rank's slot of every rank
-                            publish_candidate(xchg + (d * tp_size + tp_rank) * SLOT_WORDS, bv, bi, rows, tag,
-                                              site_xchg, fault_site)
-                            d += 1
+                ok = _reduce_task(cand, n_slots, rows, tag, hdr, site_cand, site_xchg, fault_site, pid, timeout_ns,
+                                  best, tokens, xchg, tp_rank, tp_size, SLOTS)
             elif fam == 4:                                           # peer (loopback): rank a0's candidate
-                pv = tl.load(peer_src + a0 * 2 * ROWS_PAD + rr).to(tl.float32, bitcast=True)
-                pi = tl.load(peer_src + a0 * 2 * ROWS_PAD + ROWS_PAD + rr)
-                publish_candidate(xchg + (tp_rank * tp_size + a0) * SLOT_WORDS, pv, pi, rows, tag, site_xchg,
-                                  fault_site)
+                _peer_task(peer_src, xchg, a0, rows, tag, tp_rank, tp_size, site_xchg, fault_site)
             elif fam == 5:                                           # final: ranks in rank order
-                bv, bi, ok = reduce_candidates(xchg + tp_rank * tp_size * SLOT_WORDS, tp_size, rows, tag, hdr,
-                                               site_xchg, pid, timeout_ns, 8)
-                if ok != 0:
-                    tl.store(tokens + rr, bi, mask=rr < rows)
+                ok = _final_task(xchg, tokens, rows, tag, hdr, tp_rank, tp_size, site_xchg, pid, timeout_ns)
         i += 1
     launch_end(hdr, bump)
 
 
-def _pick_block_n(v_rank: int, grid: int) -> int:
-    """Largest tile (64, 32, 16 rows) whose tiles spread over the grid at >= 90% balance."""
-    best, best_eff = 16, 0.0
-    for bn in (64, 32, 16):
-        tiles = -(-v_rank // bn)
-        eff = tiles / (grid * -(-tiles // grid)) if tiles >= grid else tiles / grid
-        if eff >= 0.9:
-            return bn
-        if eff > best_eff:
-            best, best_eff = bn, eff
-    return best
+def _task_rows(v_rank: int, n_tasks: int, gran: int = 16) -> list[tuple[int, int]]:
+    """n_tasks contiguous vocab row ranges of about equal bytes (boundaries on multiples of gran rows)."""
+    b = [min(v_rank, ((s * v_rank // n_tasks) + gran // 2) // gran * gran) for s in range(n_tasks)] + [v_rank]
+    return [(b[s], b[s + 1]) for s in range(n_tasks) if b[s + 1] > b[s]]
 
 
 class TailLaunch(Launch):
@@ -188,7 +265,10 @@ class TailLaunch(Launch):
     def __init__(self, cfg: GlmConfig, lm_head: torch.Tensor, norm_w: torch.Tensor, scales: torch.Tensor | None = None,
                  *, tp_rank: int = 0, tp_size: int = 1, width: int = 1, device=None, grid: int | None = None,
                  norm_mode: str = DEFAULT_NORM_MODE, timeout_s: float = 1.0, xchg: torch.Tensor | None = None,
-                 block_n: int | None = None, block_k: int = 128, num_stages: int = 3, num_warps: int = 8, **tag_kw):
+                 block_n: int = 64, block_k: int = 128, num_stages: int = 4, num_warps: int = 4,
+                 ctas_per_sm: int = DEFAULT_CTAS_PER_SM, l2_prefetch_k: int = 256, xpf: bool = False,
+                 maxnreg: int | None = -1, **tag_kw):
+        self._auto_grid = grid is None and not interpreting()
         super().__init__(grid=grid, device=device, timeout_s=timeout_s, **tag_kw)
         cfg.check_tp(tp_size)
         if not (isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
@@ -220,22 +300,46 @@ class TailLaunch(Launch):
         self.W = lm_head.to(self.device).contiguous()
         self.S = scales.to(self.device).contiguous() if self.fp8 else self.W
         self.norm_w = norm_w.to(self.device).contiguous()
-        self.block_n = block_n or _pick_block_n(self.V_rank, self.grid)
-        self.block_k, self.num_stages = block_k, num_stages
+        self.block_n, self.block_k, self.num_stages = block_n, block_k, num_stages
+        self.ctas_per_sm, self.l2_prefetch_k, self.xpf = ctas_per_sm, l2_prefetch_k, bool(xpf)
+        self.maxnreg = (DEFAULT_MAXNREG if width <= 4 else None) if maxnreg == -1 else maxnreg
+        # xn hi/lo halves of XR rows each feed one MMA of 2 XR columns: n8 (mma.sync) up to 4 rows;
+        # width 8 needs n16, which Triton lowers to wgmma at 4 warps (more shared memory, other FP8 bits)
+        self.xr = 4 if width <= 4 else 8
         self.loopback = tp_size > 1 and xchg is None
         self.xchg = xchg
         if tp_size > 1 and xchg is None:
             self.xchg = new_xchg(tp_size, self.device)
         if tp_size > 1 and (self.xchg.dtype != torch.int64 or self.xchg.numel() < tp_size * tp_size * SLOT):
             raise ValueError(f"tail: xchg must be int64 with >= {tp_size * tp_size * SLOT} words (see new_xchg)")
-        self.peer_src = torch.zeros(max(tp_size, 1), 2, ROWS, dtype=torch.int32, device=self.device)
+        self.peer_src = torch.zeros(max(tp_size, 1), 2, ROWS_H, dtype=torch.int32, device=self.device)
         self.set_peers(None)
         self.logits = torch.empty(width, self.V_rank, dtype=torch.float32, device=self.device)
         self.tokens = torch.empty(width, dtype=torch.int32, device=self.device)
-        self.best = torch.empty(2, ROWS, dtype=torch.int32, device=self.device)
+        self.best = torch.empty(2, ROWS_H, dtype=torch.int32, device=self.device)
         self.X = None
         self.rows = 0
         self._setup()
+        if self._auto_grid:
+            self._fit_grid()
+
+    def _fit_grid(self) -> None:
+        """grid=None on the GPU: as many CTAs as can be resident (from the compiled kernel's registers and
+        shared memory), at most ctas_per_sm per SM and one per 16 vocab rows; rebuilds the schedule."""
+        from ..schedule import kernel_resources, max_resident_ctas, device_sm_count
+        self.X = torch.zeros(1, self.cfg.hc_mult, self.H, dtype=torch.float32, device=self.device)
+        self.rows = 1
+        args, const = self.kernel_args(0, self.n_stages, 1, -1)
+        ck = self.kernel().warmup(*args, grid=(self.grid,), **const, num_warps=self.num_warps,
+                                  launch_cooperative_grid=True)   # the options enqueue compiles with
+        res = kernel_resources(ck)
+        n_sm = device_sm_count(self.device)
+        cap = max_resident_ctas(res["n_regs"], res["num_warps"], res["shared"], n_sm)
+        grid = max(1, min(cap, self.ctas_per_sm * n_sm, -(-self.V_rank // 16)))
+        self.X, self.rows = None, 0
+        if grid != self.grid:
+            self.grid = grid
+            self._setup()
 
     # ------------------------------------------------------------------ plan
     @staticmethod
@@ -253,14 +357,16 @@ class TailLaunch(Launch):
             for c in range(G):
                 g.add("norm_local", (), nbytes=self.width * 2 * 4 * H * 4, cta=c)
         g.stage("lm_head")
-        tiles = -(-self.V_rank // self.block_n)
-        n_tasks = min(G, tiles)
+        # bf16: equal 16-row aligned ranges, not whole tiles (2420 64-row tiles over 528 CTAs would leave
+        # the longest task 9% above the mean); a range's last tile is masked at the range's end.
+        # FP8: whole tiles, since kernels/gemv.py reads one scale per tile (n0 % BLOCK_N == 0, so a tile
+        # never straddles a 128-row scale block); a 16-row aligned start gave 16% logit error on the H200
         reads = ("xn",) if self.norm_mode == "box" else ()
-        for s in range(n_tasks):
-            t0, t1 = s * tiles // n_tasks, (s + 1) * tiles // n_tasks
-            nrows = min(t1 * self.block_n, self.V_rank) - t0 * self.block_n
-            g.add("gemv", (t0, t1 - t0, s), reads=reads, writes=("cand",), nbytes=nrows * H * wbytes)
-        self.n_slots = n_tasks
+        gran = self.block_n if self.fp8 else 16
+        ranges = _task_rows(self.V_rank, min(G, -(-self.V_rank // gran)), gran)
+        for s, (r0, r1) in enumerate(ranges):
+            g.add("gemv", (r0, r1, s), reads=reads, writes=("cand",), nbytes=(r1 - r0) * H * wbytes)
+        self.n_slots = len(ranges)
         g.stage("reduce")
         g.add("reduce", (), reads=("cand",), writes=("xchg",) if self.tp_size > 1 else (), cta=0)
         if self.loopback:
@@ -275,10 +381,10 @@ class TailLaunch(Launch):
     def plan_scratch(self, pl: Planner) -> None:
         H = self.H
         if self.norm_mode == "box":
-            pl.rows("xn", (self.width, H), "float32")
+            pl.rows("xn", (2, self.xr, H), "bfloat16")
             pl.box("box", self.grid, self.width)
         else:
-            pl.rows("xn", (self.grid, self.width, H), "float32")
+            pl.rows("xn", (self.grid, 2, self.xr, H), "bfloat16")
         pl.pairs("cand", (self.n_slots, SLOT))
 
     def kernel(self):
@@ -295,13 +401,18 @@ class TailLaunch(Launch):
         args = (self.table, self.starts, self.X, self.norm_w, self.W, self.S, self.logits, self.tokens, self.best,
                 self.scratch, xchg, self.peer_src,
                 L["hdr"].elem_offset(), L["xn"].elem_offset(), box_off, L["cand"].elem_offset(),
-                self.width * self.H, box_words,
+                2 * self.xr * self.H, box_words,
                 self.rows, self.V_rank, self.vocab_off, self.tp_rank, self.tp_size, self.width, self.n_slots,
                 float(self.cfg.rms_norm_eps), stage_lo, stage_hi, bump, self.tag_stride, self.tag_offset,
                 fault_site, self._timeout_ns,
                 sched.site_id("xn"), sched.site_id("cand"), sched.site_id("xchg"))
-        const = dict(H=self.H, CH=min(1024, triton.next_power_of_2(self.H)), BLOCK_N=self.block_n,
-                     BLOCK_K=self.block_k, PF_K=128, NUM_STAGES=self.num_stages, LOCAL_NORM=self.norm_mode == "local", SLOTS=16)
+        esize = 1 if self.fp8 else 2
+        const = dict(H=self.H, CH=math.gcd(NORM_CH, self.H), BLOCK_N=self.block_n, BLOCK_K=self.block_k, PF_K=128,
+                     NUM_STAGES=self.num_stages, LOCAL_NORM=self.norm_mode == "local", SLOTS=REDUCE_SLOTS,
+                     L2_LINES=max(1, self.l2_prefetch_k * esize // 128), EPL=128 // esize, XPF=self.xpf,
+                     ROW16=self.V_rank % 16 == 0, XR=self.xr)
+        if self.maxnreg:
+            const["maxnreg"] = self.maxnreg       # a compile option (ptxas), not a kernel argument
         return args, const
 
     # ------------------------------------------------------------------ run
