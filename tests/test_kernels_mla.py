@@ -202,31 +202,8 @@ def test_gpu_mla_fp8_real_shapes():
 
 
 # ---------------------------------------------------------------------------- registers, without a GPU
-_COMPILE = r'''
-import json, os, re, subprocess, sys, tempfile
-os.environ.pop("TRITON_INTERPRET", None)
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from glm53_flash.kernels import indexer, mla
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-out = []
-for mod, name, sig, consts, warps in json.loads(sys.argv[1]):
-    fn = getattr({"indexer": indexer, "mla": mla}[mod], name)
-    assert list(sig) == fn.arg_names, (name, list(sig), fn.arg_names)
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}
-    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(c.asm["ptx"])
-    log = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
-                         text=True, check=True).stderr
-    os.unlink(f.name)
-    out.append(dict(kernel=name, consts=consts, warps=warps, regs=int(re.search(r"Used (\d+) registers", log)[1]),
-                    spill=int(re.search(r"(\d+) bytes spill stores", log)[1])))
-print(json.dumps(out))
-'''
+_DIVISIBLE = ()   # int args a launch passes as multiples of 16
+
 
 _F, _B, _I = "*fp32", "*bf16", "*i32"
 _ATTEND = dict(qlat=_F, idx=_I, latent=_B, positions=_I, pm=_F, pl=_F, pacc=_F, sbuf=_F, stride_lat="i32",
@@ -277,21 +254,10 @@ BUDGETS = [
 def test_offline_sm90_registers():
     """Compile the real-shape task kernels of the DSA families for sm_90 with Triton's bundled ptxas:
     no spills, registers within budget (a persistent launch inherits the max over its families)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    import triton
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+    from glm53_flash.sm90_regs import kernel_registers, ptxas_available
+    if not ptxas_available():
         pytest.skip("Triton's bundled ptxas is missing")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([v for v, _ in BUDGETS])], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    stats = json.loads(res.stdout.strip().splitlines()[-1])
+    stats = kernel_registers([[f"glm53_flash.kernels.{v[0]}", *v[1:], list(_DIVISIBLE)] for v, _ in BUDGETS])
     for s, (_, budget) in zip(stats, BUDGETS):
         print(f"{s['kernel']} {s['consts']} warps{s['warps']}: {s['regs']} regs, {s['spill']} B spilled")
     for s, (_, budget) in zip(stats, BUDGETS):
