@@ -18,6 +18,10 @@ from .config import GlmConfig
 from .reference.model import ReferenceModel
 
 
+# launch kinds this runner drives as kernels when they exist (the rest of a step runs on the reference)
+DRIVEN_KINDS = ("tail",)
+
+
 @dataclass
 class GenerateResult:
     tokens: list[int]                      # generated ids
@@ -62,7 +66,8 @@ class Runner:
         if path == "auto":
             from .launches import available, build_launch
             for kind in available():
-                self.kernels[kind] = build_launch(kind, self.ckpt, device=device)
+                if kind in DRIVEN_KINDS:
+                    self.kernels[kind] = build_launch(kind, self.ckpt, device=device)
 
     @property
     def paths(self) -> dict[str, str]:

@@ -71,9 +71,20 @@ SWEEP = {   # (block_n, block_k, num_warps, num_stages, k_split[, even]); pf_k 1
 }
 
 
+# --variants (2026-11-30, FP8 memory side): per-tile rotated K start (k_rotate) and long row segments,
+# timed beside the defaults in the same interleaved windows. (fmt, block_n, block_k, warps, stages, k_rotate);
+# k_rotate -1: the prefetch + finish path (the FP8 default before k_rotate=1 became TUNED["fp8"])
+VARIANTS = [
+    ("fp8", 64, 128, 4, 4, -1), ("fp8", 64, 128, 4, 4, 0), ("fp8", 64, 128, 4, 4, 5), ("fp8", 64, 128, 4, 4, 13),
+    ("fp8", 64, 128, 4, 5, 5), ("fp8", 32, 128, 2, 4, 5), ("fp8", 32, 256, 2, 4, 0), ("fp8", 32, 256, 2, 4, 5),
+    ("fp8", 16, 512, 1, 3, 0), ("fp8", 64, 256, 4, 3, 3),
+    ("bf16", 64, 128, 4, 3, 5), ("bf16", 64, 128, 4, 3, 1),
+]
+
+
 def cfg_name(c: GemvConfig) -> str:
     return (f"bn{c.block_n} bk{c.block_k} w{c.num_warps} s{c.num_stages}" + (f" ks{c.k_split}" if c.k_split > 1 else "")
-            + ("" if c.even else " masked"))
+            + ("" if c.even else " masked") + (f" rot{c.k_rotate}" if c.k_rotate >= 0 else ""))
 
 
 def kernel_stats(c: GemvConfig, w, s, x, y) -> dict:
@@ -82,7 +93,7 @@ def kernel_stats(c: GemvConfig, w, s, x, y) -> dict:
     ck = gemv_kernel.warmup(x, w, s if s is not None else w, y, x.shape[0], n, k, k, n, x.shape[0] * n, k,
                             ROWS_PAD=c.rows_pad, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PF_K=c.pf_k,
                             NUM_STAGES=c.num_stages, KSPLIT=c.k_split, EVEN=c.even and is_even(n, k, k, c),
-                            num_warps=c.num_warps, grid=(1,))
+                            ROT=c.k_rotate, num_warps=c.num_warps, grid=(1,))
     ck._init_handles()
     return {"regs": ck.n_regs, "spills": ck.n_spills, "smem": ck.metadata.shared}
 
@@ -159,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=16, help="launches per timed graph")
     ap.add_argument("--windows", type=int, default=21, help="interleaved windows (median reported)")
     ap.add_argument("--sweep", action="store_true", help="screen a grid of tile configs first")
+    ap.add_argument("--variants", action="store_true", help="time VARIANTS beside the defaults (same windows)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemv.py needs a CUDA GPU", file=sys.stderr)
@@ -180,6 +192,8 @@ def main(argv=None) -> int:
         cases.append(our_case(fmt, rows, c, ws, xs, ys))
         if c != DEFAULT[fmt]:
             cases.append(our_case(fmt, rows, DEFAULT[fmt], ws, xs, ys, f"ours {fmt} rows{rows} default"))
+    if args.variants:
+        cases += variant_cases(ws, xs, ys)
     cases += baseline_cases(ws, xs)
     words = ws["bf16"][0][0].numel() // 2
     if words % 2 ** 15 == 0:                  # the pure-read kernel over the very same weight copies
@@ -191,6 +205,28 @@ def main(argv=None) -> int:
     report("bench_gemv", card, bw, cases, us, extra_cols=("regs", "spills", "smem", "err"),
            extra={"sweep": screen} if screen else None)
     return 0
+
+
+def variant_cases(ws, xs, ys) -> list[BenchCase]:
+    """VARIANTS at 1 and 8 rows, each checked first: error vs fp64 (rows 8), row 0 alone == row 0 of 8
+    (batch invariance), two runs equal."""
+    out = []
+    for fmt, bn, bk, nw, ns, rot in VARIANTS:
+        c = GemvConfig(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, k_rotate=rot)
+        w, s = ws[fmt][0]
+        ref = xs[8].double() @ (w.double() if s is None else _dequant(w, s)).T
+        try:
+            y8 = gemv(xs[8], w, s, cfg=c)
+            err = float((y8.double() - ref).norm() / ref.norm())
+            inv = bool(torch.equal(gemv(xs[8][:1], w, s, cfg=c)[0], y8[0]) and torch.equal(gemv(xs[8], w, s, cfg=c), y8))
+            print(f"variant {fmt} {cfg_name(c)}: err {err:.1e} batch-invariant+deterministic {inv}")
+            for rows in (1, 8):
+                case = our_case(fmt, rows, c, ws, xs, ys)
+                case.info.update(err=f"{err:.1e}" + ("" if inv else " NOT-INV"))
+                out.append(case)
+        except Exception as e:
+            print(f"skip {fmt} {cfg_name(c)}: {type(e).__name__}: {str(e)[:200]}")
+    return out
 
 
 def sweep(ws, xs, ys, best: dict) -> list[dict]:

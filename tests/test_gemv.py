@@ -108,6 +108,57 @@ def test_even_mask_free_is_bitwise_equal(fmt, xdt):
     assert _rel(y, x.double().cpu() @ wref.T) < TOL[xdt]
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_k_rotate(fmt):
+    # standalone-only K rotation: start 0 keeps the prefetch+finish bits; a rotated start changes the order
+    # per tile but stays accurate, deterministic and batch invariant; partial tiles and K wrap masked
+    gen = torch.Generator().manual_seed(31)
+    n, k = 96, 512
+    w, s, wref = _weights(n, k, fmt, gen)
+    x8 = torch.randn(8, k, generator=gen).bfloat16().to(DEV)
+    base = GemvConfig(block_n=32, block_k=128, pf_k=128, num_stages=2)
+    assert torch.equal(gemv(x8, w, s, cfg=GemvConfig(**{**base.__dict__, "k_rotate": 0})), gemv(x8, w, s, cfg=base))
+    rot = GemvConfig(**{**base.__dict__, "k_rotate": 3})
+    y8 = gemv(x8, w, s, cfg=rot)
+    assert _rel(y8, x8.double().cpu() @ wref.T) < 1e-6
+    assert torch.equal(y8, gemv(x8, w, s, cfg=rot)), "two runs differ"
+    other = torch.randn(8, k, generator=gen).bfloat16().to(DEV)
+    for r in (0, 3, 7):
+        assert torch.equal(gemv(x8[r:r + 1], w, s, cfg=rot)[0], y8[r]), f"row {r} alone differs"
+        mixed = other.clone()
+        mixed[r] = x8[r]
+        assert torch.equal(gemv(mixed[: r + 1], w, s, cfg=rot)[r], y8[r]), f"row {r} among others differs"
+    # masked: N and K not whole tiles / steps (bk256 over K = 384: the last step half past k1)
+    n2, k2 = 200, 384
+    w2, s2, wref2 = _weights(n2, k2, fmt, gen)
+    x3 = torch.randn(3, k2, generator=gen).bfloat16()
+    for cfg in (GemvConfig(block_n=32, block_k=256, pf_k=128, num_stages=2, k_rotate=1),
+                GemvConfig(block_n=64, block_k=128, pf_k=128, num_stages=2, k_rotate=1, split_k=2)):
+        out = _poisoned(3, n2)
+        gemv(x3.to(DEV), w2, s2, cfg=cfg, out=out)
+        assert torch.isfinite(out).all()
+        assert _rel(out, x3.double() @ wref2.T) < 1e-6, cfg
+    assert not torch.equal(y8, gemv(x8, w, s, cfg=base)), "rotation changed no bits (did it run?)"
+    with pytest.raises(ValueError, match="k_rotate"):
+        GemvConfig(k_rotate=1, k_split=2)
+
+
+def test_default_fp8_config_rotated():
+    # gemv()'s FP8 default runs the rotated loop: accurate, deterministic, batch invariant at its own tile
+    gen = torch.Generator().manual_seed(37)
+    n, k = 128, 512                                    # 2 tiles of 64, 4 K steps: tile 1 starts at step 1
+    w, s, wref = _weights(n, k, "fp8", gen)
+    cfg = default_config(w)
+    assert cfg.k_rotate >= 0 and default_config(torch.empty(1, 1, dtype=torch.bfloat16)).k_rotate < 0
+    x8 = torch.randn(8, k, generator=gen).bfloat16().to(DEV)
+    y8 = gemv(x8, w, s)
+    assert _rel(y8, x8.double().cpu() @ wref.T) < 1e-6
+    assert torch.equal(y8, gemv(x8, w, s))
+    for r in (0, 6):
+        assert torch.equal(gemv(x8[r:r + 1], w, s)[0], y8[r])
+    assert torch.equal(y8, gemv(x8, w, s, cfg=GemvConfig(**{**cfg.__dict__, "even": False})))
+
+
 @triton.jit
 def _walk_tiles(x_ptr, w_ptr, s_ptr, y_ptr, rows, N, K, n_tiles,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr, KSPLIT: tl.constexpr):
@@ -212,7 +263,37 @@ def test_gpu_register_budget():
         y = torch.empty(4, 256, device="cuda")
         ck = gemv_kernel.warmup(x, w, s if wdt != torch.bfloat16 else w, y, 4, 256, 1024, 1024, 256, 1024, 1024,
                                 ROWS_PAD=cfg.rows_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PF_K=cfg.pf_k,
-                                NUM_STAGES=cfg.num_stages, KSPLIT=cfg.k_split, num_warps=cfg.num_warps, grid=(1,))
+                                NUM_STAGES=cfg.num_stages, KSPLIT=cfg.k_split, ROT=cfg.k_rotate,
+                                num_warps=cfg.num_warps, grid=(1,))
         ck._init_handles()
         print(f"{wdt} x{xdt} {cfg}: {ck.n_regs} regs, {ck.n_spills} spills, {ck.metadata.shared} B smem")
         assert ck.n_spills == 0 and ck.n_regs <= 200
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_gpu_k_rotate(fmt):
+    # the standalone rotated-K loop at the real shape: rot 0 == the prefetch+finish bits; rotated starts
+    # accurate, deterministic, batch invariant
+    n, k = 24896, 4096
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    w = torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5
+    if fmt == "bf16":
+        w, s, wref = w.bfloat16(), None, w.bfloat16().float()
+    else:
+        q, s = quantize_fp8(w.cpu())
+        wref = dequantize_fp8(q, s).cuda()
+        w, s = q.cuda(), s.cuda()
+    x8 = torch.randn(8, k, generator=gen, device="cuda").bfloat16()
+    ref = x8.double() @ wref.double().T
+    base = GemvConfig(block_n=64, block_k=128, pf_k=128, num_warps=4, num_stages=4)
+    assert torch.equal(gemv(x8, w, s, cfg=GemvConfig(**{**base.__dict__, "k_rotate": 0})), gemv(x8, w, s, cfg=base))
+    for cfg in (default_config(w), *(GemvConfig(**{**base.__dict__, "k_rotate": r}) for r in (1, 5, 13)),
+                GemvConfig(block_n=32, block_k=256, num_warps=2, num_stages=4, k_rotate=5)):
+        out = torch.full((8, n), float("nan"), device="cuda")
+        gemv(x8, w, s, cfg=cfg, out=out)
+        assert torch.isfinite(out).all()
+        assert float((out.double() - ref).norm() / ref.norm()) < 1e-5, cfg
+        assert torch.equal(out, gemv(x8, w, s, cfg=cfg))
+        for r in (0, 5):
+            assert torch.equal(gemv(x8[r:r + 1], w, s, cfg=cfg)[0], out[r])

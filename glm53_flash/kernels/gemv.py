@@ -45,8 +45,15 @@ layout: 64 -> ~16; EVEN: ~25 fewer masks; one scalar scale per step). It did not
 (bench/RESULTS.md): the K loop is not issue-bound.
 Sizing: warps split the weight rows in m16 slices, so keep BLOCK_N >= 16 * num_warps: Triton lays 8
 warps over a 64-row tile as 8 m16 slices, and warps 4-7 redo the work of 0-3. Fastest on the H200 (bench/RESULTS.md): BLOCK_N 64, BLOCK_K 128, PF_K 128, 4 warps,
-3 (bf16) or 4 (FP8) stages: 55-64 registers, 31-37 KB shared memory, 92% (bf16) / 83% (FP8) of the
-read-bandwidth floor at 24896 x 4096.
+3 (bf16) or 4 (FP8) stages: 48-63 registers, 32-37 KB shared memory, 94% (bf16) / 84% (FP8) of the
+read-bandwidth floor at 24896 x 4096 through gemv_prefetch + gemv_finish.
+Standalone kernel only (GemvConfig.k_rotate >= 0, `_finish_rot`): one pipelined loop over all K steps,
+tile t starting at step (t * k_rotate) mod n_steps and wrapping. In the SASS the weight loads of the
+pipelined loop are cp.async.cg (LDGSTS.BYPASS.128) whatever the hint: L1 bypassed, evict_first dropped.
+k_rotate 0 (same bits as the device functions) already reached 85.9% of the floor (FP8, 1 row; the old
+path 83.9%: its prefetched chunk is a register load outside the cp.async pipeline, a likely reason);
+k_rotate 1 (the FP8 default of gemv(), so not all tiles read the same 128 B column of their 4 KB rows at
+once) 86.9%.
 """
 from __future__ import annotations
 
@@ -94,7 +101,9 @@ def _load_w(w_ptr, n0, k, k1, N, K, BLOCK_N: tl.constexpr, CK: tl.constexpr, EVE
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_k = k + tl.arange(0, CK)
     ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
-    # streamed once: do not let it push the activations and hand-off lines out of L2
+    # streamed once: do not let it push the activations and hand-off lines out of L2. (Inside a pipelined
+    # tl.range the load becomes cp.async.cg = LDGSTS.BYPASS.128, which bypasses L1 and drops the L2 hint:
+    # sm_90 SASS shows the same loop for evict_first, evict_first + .cg and no hint.)
     if EVEN:    # caller guarantees n0 + BLOCK_N <= N and k + CK <= k1: no predicates in the K loop
         return tl.load(ptrs, eviction_policy="evict_first")
     else:
@@ -286,6 +295,38 @@ def _finish_one(w0, w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K, ROWS_
 
 
 @triton.jit
+def _finish_rot(w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K, start, ROWS_PAD: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr):
+    """Standalone-kernel K loop (GemvConfig.k_rotate >= 0): one pipelined loop over all n_steps =
+    cdiv(k1 - k0, BLOCK_K) steps, beginning at step `start` and wrapping around (start 0: the K order,
+    and the bits, of gemv_prefetch + gemv_finish). A per-tile start spreads the tiles that run at the
+    same time over different K offsets (DRAM channels) instead of all reading the same 128 B column of
+    every 4 KB row. The bits of a tile depend on its start (FP8 and bf16 both), nothing else."""
+    CK: tl.constexpr = 128 if BLOCK_K > 128 else BLOCK_K
+    n_steps = tl.cdiv(k1 - k0, BLOCK_K)
+    span = n_steps * BLOCK_K
+    kb = k0 + start * BLOCK_K
+    acc = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
+    if _interpreting():
+        i = 0
+        while i < n_steps:
+            k = kb + i * BLOCK_K
+            k = tl.where(k >= k0 + span, k - span, k)
+            for j in tl.static_range(BLOCK_K // CK):
+                w = _load_w(w_ptr, n0, k + j * CK, k1, N, K, BLOCK_N, CK, EVEN)
+                acc = _chunk(acc, w, s_ptr, x_ptr, stride_x, rows, n0, k + j * CK, k1, N, K, ROWS_PAD, CK, EVEN)
+            i += 1
+    else:
+        for i in tl.range(0, n_steps, num_stages=NUM_STAGES):
+            k = kb + i * BLOCK_K
+            k = tl.where(k >= k0 + span, k - span, k)
+            for j in tl.static_range(BLOCK_K // CK):
+                w = _load_w(w_ptr, n0, k + j * CK, k1, N, K, BLOCK_N, CK, EVEN)
+                acc = _chunk(acc, w, s_ptr, x_ptr, stride_x, rows, n0, k + j * CK, k1, N, K, ROWS_PAD, CK, EVEN)
+    return acc
+
+
+@triton.jit
 def _finish_parts(w0, w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K, ROWS_PAD: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                   KSPLIT: tl.constexpr, CK: tl.constexpr):
@@ -320,16 +361,25 @@ def gemv_store(y_ptr, stride_y, acc, rows, n0, N, ROWS_PAD: tl.constexpr, BLOCK_
 @triton.jit(do_not_specialize=["rows", "split_len"])
 def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, rows, N, K, stride_x, stride_y, stride_ys, split_len,
                 ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr,
-                NUM_STAGES: tl.constexpr, KSPLIT: tl.constexpr = 1, EVEN: tl.constexpr = False):
+                NUM_STAGES: tl.constexpr, KSPLIT: tl.constexpr = 1, EVEN: tl.constexpr = False,
+                ROT: tl.constexpr = -1):
     """Grid (cdiv(N, BLOCK_N), splits): one column tile and one K range [k0, k0 + split_len) per program.
     y: [splits, rows, N] partials (stride_ys between splits; one split writes the result directly).
-    `rows` is not specialised, so one compiled variant serves every row count <= ROWS_PAD."""
+    `rows` is not specialised, so one compiled variant serves every row count <= ROWS_PAD.
+    ROT < 0: gemv_prefetch + gemv_finish (the persistent launches' path). ROT >= 0 (KSPLIT 1 only):
+    _finish_rot, tile t starting at K step (t * ROT) mod n_steps."""
     n0 = tl.program_id(0) * BLOCK_N
     k0 = tl.program_id(1) * split_len
     k1 = tl.minimum(k0 + split_len, K)
-    w0 = gemv_prefetch(w_ptr, n0, k0, k1, N, K, BLOCK_N, PF_K, KSPLIT, EVEN)
-    acc = gemv_finish(w0, w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K,
-                      ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, KSPLIT, EVEN)
+    if ROT >= 0:
+        tl.static_assert(KSPLIT == 1, "k_rotate needs k_split == 1")
+        start = (tl.program_id(0) * ROT) % tl.cdiv(k1 - k0, BLOCK_K)
+        acc = _finish_rot(w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K, start,
+                          ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN)
+    else:
+        w0 = gemv_prefetch(w_ptr, n0, k0, k1, N, K, BLOCK_N, PF_K, KSPLIT, EVEN)
+        acc = gemv_finish(w0, w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K,
+                          ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, KSPLIT, EVEN)
     gemv_store(y_ptr + tl.program_id(1) * stride_ys, stride_y, acc, rows, n0, N, ROWS_PAD, BLOCK_N)
 
 
@@ -344,6 +394,11 @@ class GemvConfig:
     split_k: int = 1       # K ranges per column tile (separate programs, for small N); fixed-order sum
     k_split: int = 1       # K parts inside one program (a batch of MMAs, one per warp): 1 or 2
     even: bool = True      # mask-free loads where the shape allows it (is_even); False: always masked
+    # standalone kernel only (gemv_kernel; the device functions never see these):
+    # k_rotate >= 0: one K loop per tile starting at step (tile * k_rotate) mod n_steps, wrapping around
+    # (0: the same bits as -1). Changes the bits per tile (summation order) but stays deterministic and
+    # batch invariant; bits then depend on block_n and block_k (the tile index and the step size).
+    k_rotate: int = -1
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "pf_k", "rows_pad"):
@@ -356,19 +411,27 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.k_split={self.k_split}: must be 1 or 2")
         if self.split_k < 1:
             raise ValueError(f"GemvConfig.split_k={self.split_k}: must be >= 1")
+        if self.k_rotate >= 0 and self.k_split != 1:
+            raise ValueError("GemvConfig.k_rotate needs k_split == 1")
 
 
 # Fastest spill-free configs measured on the H200 at 24896 x 4096 (bench/RESULTS.md, 2026-11-30 sweep);
-# both 4 warps, 55-64 registers, 31-37 KB shared memory.
+# both 4 warps, 48-63 registers, 32-37 KB shared memory.
 TUNED = {
     "bf16": GemvConfig(block_n=64, block_k=128, pf_k=128, num_warps=4, num_stages=3),
-    "fp8": GemvConfig(block_n=64, block_k=128, pf_k=128, num_warps=4, num_stages=4),
+    # k_rotate=1 (bench/RESULTS.md "FP8 K rotation", 2026-11-30): 83.9% -> 86.9% of the read floor at 1 row,
+    # 82.1% -> 85.5% at 8 rows; the standalone gemv()'s FP8 bits differ from the device functions' per tile
+    # (summation order), both deterministic and batch invariant. mlp/moe take only the tile fields.
+    "fp8": GemvConfig(block_n=64, block_k=128, pf_k=128, num_warps=4, num_stages=4, k_rotate=1),
 }
 
 
 def is_even(N: int, K: int, split_len: int, cfg: GemvConfig) -> bool:
     """True when every tile of an N x K GEMV in K ranges of split_len is whole: no masks needed (EVEN)."""
-    whole = lambda L: L >= cfg.pf_k and (L - cfg.pf_k) % cfg.block_k == 0          # noqa: E731
+    if cfg.k_rotate >= 0:       # _finish_rot: no prefetched chunk, whole BLOCK_K steps
+        whole = lambda L: L % cfg.block_k == 0                                       # noqa: E731
+    else:
+        whole = lambda L: L >= cfg.pf_k and (L - cfg.pf_k) % cfg.block_k == 0      # noqa: E731
     return cfg.k_split == 1 and N % cfg.block_n == 0 and whole(split_len) and whole(K - (K - 1) // split_len * split_len)
 
 
@@ -428,7 +491,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, *
     gemv_kernel[grid](x2, w, s, part, rows, N, K, x2.stride(0), N, rows * N, split_len,
                       ROWS_PAD=cfg.rows_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PF_K=cfg.pf_k,
                       NUM_STAGES=cfg.num_stages, KSPLIT=cfg.k_split,
-                      EVEN=cfg.even and is_even(N, K, split_len, cfg), num_warps=cfg.num_warps)
+                      EVEN=cfg.even and is_even(N, K, split_len, cfg), ROT=cfg.k_rotate,
+                      num_warps=cfg.num_warps)
     if split > 1:
         # torch's reduction over a dim uses no atomics: a fixed order for a given shape, reproducible
         y = out if out is not None else torch.empty(rows, N, dtype=out_dtype, device=x.device)
