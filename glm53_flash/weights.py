@@ -46,7 +46,7 @@ def _layer(i: int) -> str:
 def _mha_specs(cfg: GlmConfig, p: str) -> list[TensorSpec]:
     """DSA sub-layer: low-rank q / kv, absorbed NoPE MLA, kpool indexer."""
     H, nh = cfg.hidden_size, cfg.num_attention_heads
-    f32, bf = torch.float32, torch.bfloat16
+    bf = torch.bfloat16
     a = p + "self_attn."
     ix = a + "indexer."
     return [

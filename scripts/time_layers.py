@@ -17,8 +17,8 @@ The timing helpers (read bandwidth, interleaved graph timing, card) are reused b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
-import importlib
 import json
 import math
 import os
@@ -201,15 +201,14 @@ def gemv_shapes(cfg, tp: int) -> list[tuple[str, int, int, list[str]]]:
 
 def pick_gemv_config(n: int, k: int, fp8: bool):
     """Tile config for a standalone GEMV: the benchmarked default, split-K when column tiles are few."""
-    from glm53_flash.kernels.gemv import TUNED, GemvConfig
+    from glm53_flash.kernels.gemv import TUNED
     base = TUNED["fp8" if fp8 else "bf16"]
     block_k = base.block_k if k >= base.block_k else 128
     tiles = triton.cdiv(n, base.block_n) * base.k_split
     split = 1
     while tiles * split * 2 <= 2 * 132 and k // (split * 2) >= 4 * block_k:
         split *= 2
-    return GemvConfig(block_n=base.block_n, block_k=block_k, pf_k=base.pf_k, rows_pad=base.rows_pad,
-                      num_stages=base.num_stages, num_warps=base.num_warps, split_k=split, k_split=base.k_split)
+    return dataclasses.replace(base, block_k=block_k, split_k=split)
 
 
 def build_gemv(cfg, tp: int, rows: int, weights: str, device: str) -> list[BenchCase]:
