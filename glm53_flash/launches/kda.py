@@ -1,0 +1,113 @@
+"""The `kda` launch: a KDA layer with the MoE FFN (31 of the 45 layers of GLM-5.3-Flash).
+
+The mixer half is the shared KDA layer launch (launches/kda_layer.py, layer_host.py). The FFN half:
+  moe_route  [waits a] router partial tiles (BLOCK_E experts x one K range, fp32 logits), and the
+             shared expert's gate|up tiles (the dense gate|up task on its weights) -> h
+  experts    [waits rl] static slots (row, rank j, intermediate tile): each joins the row's logit
+             partials and selects the top-k itself (the same code and inputs in every slot: the
+             same bits), streams the chosen expert's gate|up tile -> act_e; slot (r, 0, 0) writes
+             the row's record (ids, weights) for the down tasks
+  down       [waits h, xe] per row: the k experts' down tiles in rank order times their weights,
+             then the shared expert's (its first chunk prefetched before the waits); TP 1: hc_post
+             -> X_out; TP > 1: tagged pairs to every rank, rank-order sum in down_sum.
+Expert weights are packed once at build into banks (kernels/moe.py pack_experts): w_gu [E, 2I, H],
+w_d [E, H, I] (+ FP8 scales), this rank's intermediate shard.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.moe import pack_experts
+from .layer_host import KdaLayerLaunch
+
+RCK = 32            # router K step (kernels/moe.py ROUTER_CK)
+BLOCK_E = 16        # experts per router tile
+ROUTER_PARTS = 4    # K ranges of the router GEMV (72 tasks at E = 288)
+
+
+class KdaLaunch(KdaLayerLaunch):
+    """KdaLaunch(cfg, checkpoint, layer, tp_rank=0, tp_size=1, width=1, device=None, grid=None)
+    .run(X, kda_state, conv_window, *, inject_fault=None) -> X' (see KdaLayerLaunch)."""
+
+    kind = "kda"
+
+    @classmethod
+    def site_names(cls, tp_size: int = 1, block_v_split: bool = False) -> list[str]:
+        s = ["hp1", "a_in", "yin"] + (["oraw"] if block_v_split else []) + ["o"]
+        s += (["xo"] if tp_size > 1 else []) + ["hp2", "a", "rl", "h", "xe"] + (["xd"] if tp_size > 1 else [])
+        return [f"kda.{n}" for n in s]
+
+    def _ffn_names(self, p: str) -> list[str]:
+        m = p + "mlp."
+        names = [m + "gate.weight", m + "gate.e_score_correction_bias"]
+        names += [f"{m}shared_experts.{n}_proj.weight" for n in ("gate", "up", "down")]
+        names += [f"{m}experts.{e}.{n}_proj.weight" for e in range(self.cfg.n_routed_experts)
+                  for n in ("gate", "up", "down")]
+        return names
+
+    def _load_ffn(self, w, sc, p) -> None:
+        m = p + "mlp."
+        self.W_g, self.S_g = self._mat(w, sc, m + "shared_experts.gate_proj.weight")
+        self.W_u, self.S_u = self._mat(w, sc, m + "shared_experts.up_proj.weight")
+        self.W_d, self.S_d = self._mat(w, sc, m + "shared_experts.down_proj.weight")
+        self.I = self.W_g.shape[0]
+        self.W_r = w[m + "gate.weight"].to(self.device, torch.float32).contiguous()
+        self.bias_r = w[m + "gate.e_score_correction_bias"].to(self.device, torch.float32).contiguous()
+        E = self.cfg.n_routed_experts
+        experts = []
+        for e in range(E):
+            mats = [self._mat(w, sc, f"{m}experts.{e}.{n}_proj.weight") for n in ("gate", "up", "down")]
+            experts.append(tuple(mt if mt[0].dtype == torch.float8_e4m3fn else mt[0] for mt in mats))
+        fp8 = isinstance(experts[0][0], tuple)
+        if fp8 != isinstance(experts[0][2], tuple):
+            raise ValueError("kda: expert gate/up and down must share one format (bf16 or FP8)")
+        gu, dn = pack_experts(experts)
+        if fp8:
+            (self.w_gu, self.s_gu), (self.w_de, self.s_de) = gu, dn
+        else:
+            self.w_gu, self.w_de = gu, dn
+            self.s_gu, self.s_de = gu, dn
+        self.moe, self.E, self.KE = True, E, self.cfg.num_experts_per_tok
+        self.I_E = self.w_de.shape[2]
+        self.fp8 = fp8 or self.W_g.dtype == torch.float8_e4m3fn
+        if self.fp8 and 128 % self.block_n:
+            raise ValueError(f"kda: FP8 needs block_n dividing 128, got {self.block_n}")
+        # router K ranges: the fp32 router weight (4.7 MB at E = 288) over E / BLOCK_E x ROUTER_PARTS tasks;
+        # a fixed count, not one derived from the grid, so the partials' join order (bits) is the same on
+        # every grid
+        split = -(-(-(-self.H // ROUTER_PARTS)) // RCK) * RCK
+        self.r_split = split
+        self.nrpart = -(-self.H // split)
+
+    def _ffn_graph(self, g, wb: int) -> None:
+        H, tp, BN, W = self.H, self.tp_size, self.block_n, self.width
+        wbe = 1 if self.w_gu.dtype == torch.float8_e4m3fn else 2
+        g.stage("moe_route")
+        slot = 0
+        for p in range(self.nrpart):
+            k0, k1 = p * self.r_split, min((p + 1) * self.r_split, H)
+            for e0 in range(0, self.E, BLOCK_E):
+                g.add("router", (e0, k0, k1, slot, p), reads=("a",), writes=("rl",),
+                      nbytes=min(BLOCK_E, self.E - e0) * (k1 - k0) * 4)
+                slot += 1
+        self.n_box["rl"] = slot
+        self._gemv_stage(g, "gu", self.I, 2 * H * wb, ("a",), ("h",), "h")
+        g.stage("experts")
+        tiles = -(-self.I_E // BN)
+        slot = 0
+        for r in range(W):
+            for j in range(self.KE):
+                for t in range(tiles):
+                    g.add("expert", (r, j, t, slot), reads=("rl",), writes=("xe",), nbytes=2 * BN * H * wbe)
+                    slot += 1
+        self.n_box["xe"] = slot
+        g.stage("down")
+        row_bytes = W * (self.KE * self.I_E * wbe + self.I * wb)
+        if tp == 1:
+            self._gemv_stage(g, "moe_down", H, row_bytes, ("h", "xe"), (), None)
+        else:
+            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("h", "xe"), ("xd",), None, ret_ranges=True)
+            self._peers(g, "peer_d", ranges, "xd")
+            g.stage("down_sum")
+            for (t0, n) in ranges:
+                g.add("post2", (t0, n), reads=("xd",), nbytes=tp * W * n * BN * 8)

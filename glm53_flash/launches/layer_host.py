@@ -1,0 +1,452 @@
+"""Host side of the KDA layer launches (embed / dense / kda kinds): this rank's weights, the task
+graph, the scratch layout, the kernel arguments, and the all-or-nothing `run`.
+
+`KdaLayerLaunch(cfg, source, layer, ...)`: source is a loaded `Checkpoint` (its weights are already
+this rank's pieces; FP8 tensors come with their scales) or a mapping of full tensors by HF name
+(RandomWeights, a dequantized checkpoint), which is sharded here with tp.py's rules; an optional
+`scales` mapping makes FP8 entries of such a mapping usable. KDA tensors always run in bf16; the
+dense MLP's gate / up / down run in FP8 when given FP8 (tiny shapes at TP > 1 arrive dequantized,
+tp.py's rule).
+
+State contract (DESIGN.md §6): `run(X, kda_state, conv_window)` reads the caller's state and window
+(this layer's per-row slices, reference layout: state [rows, nh/tp, dv, dk] fp32, window
+[rows, K-1, 3 * kda_dim / tp] fp32 with this rank's q | k | v channels) and writes the new ones into
+the launch's own buffers; only after a clean launch are they copied back into the caller's tensors.
+A launch that raises HandoffTimeout leaves them exactly as they were.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import triton
+
+from layout import Planner
+
+from .. import tp as tp_mod
+from ..schedule import TaskGraph
+from ..weights import PREFIX, weight_specs
+from .base import Launch, run_interleaved
+from .kda_layer import BOXES, FAMILIES, META, META_WORDS, ROWS_REGIONS, kda_layer_kernel
+
+WIDTHS = (1, 2, 4, 8)
+ROWS_PAD = 8
+SLOT = 40
+
+
+def default_block_v(head_dim: int) -> int:
+    """Value rows per KDA task: the whole head up to 64 (the norm fuses into the task), else 32 (a
+    128 x 128 fp32 state block would lift the whole kernel to ~254 registers, kernels/kda.py; the
+    norm then joins in a kda_norm stage). The same on every platform, so builds agree bit for bit."""
+    return head_dim if head_dim <= 64 else 32
+
+
+def _ranges(n_tiles: int, n_tasks: int) -> list[tuple[int, int]]:
+    """n_tiles split into n_tasks contiguous ranges (t0, count), as even as possible."""
+    return [(s * n_tiles // n_tasks, (s + 1) * n_tiles // n_tasks - s * n_tiles // n_tasks) for s in range(n_tasks)]
+
+
+def rank_tensors(cfg, source, names, tp_rank: int, tp_size: int, scales: Mapping | None = None):
+    """(weights, scales) of this rank for `names`: dict name -> piece, dict name -> scale (FP8 kept)."""
+    specs = weight_specs(cfg)
+    out, sc = {}, {}
+    if hasattr(source, "weights") and hasattr(source, "tp_size"):          # a loaded Checkpoint
+        if (source.tp_rank, source.tp_size) != (tp_rank, tp_size):
+            raise ValueError(f"checkpoint holds TP rank {source.tp_rank}/{source.tp_size}, launch asked for "
+                             f"{tp_rank}/{tp_size}")
+        for n in names:
+            out[n] = source.weights[n]
+            if n in source.scales:
+                sc[n] = source.scales[n]
+        return out, sc
+    scales = scales or {}
+    for n in names:
+        t = source[n]
+        if t.dtype == torch.float8_e4m3fn:
+            if n not in scales:
+                raise ValueError(f"{n}: FP8 tensor without a scale (pass scales=)")
+            piece, s = tp_mod.shard_fp8(specs[n], t, scales[n], tp_rank, tp_size)
+            out[n] = piece
+            if s is not None:
+                sc[n] = s
+        else:
+            out[n] = tp_mod.shard(specs[n], t, tp_rank, tp_size)
+    return out, sc
+
+
+class KdaLayerLaunch(Launch):
+    """One KDA layer (mixer + FFN, both inside mHC) of one TP rank as one persistent launch.
+
+    run(X [rows, 4, H] fp32, kda_state [rows, nh/tp, dv, dk] fp32, conv_window [rows, K-1, 3D/tp] fp32)
+    -> X' [rows, 4, H] fp32 (a fresh tensor); state and window updated in place after a clean launch.
+    block_v: value rows per KDA task (DV: one task per head, norm fused; smaller: a kda_norm stage).
+    TP > 1: `xchg` = (xo, xd) shared by the simulated ranks (new_xchg), or None for loopback mode (the
+    other ranks' partial sums come from `peer` given to run, zeros by default).
+    """
+
+    kind = "dense"
+    embed = False
+
+    def __init__(self, cfg, source, layer: int, *, tp_rank: int = 0, tp_size: int = 1, width: int = 1, device=None,
+                 grid: int | None = None, scales: Mapping | None = None, block_v: int | None = None,
+                 timeout_s: float = 1.0, xchg=None, block_n: int = 64, block_k: int = 128, num_stages: int = 3,
+                 num_warps: int = 4, act_dtype: str = "bfloat16", **tag_kw):
+        super().__init__(grid=grid, device=device, timeout_s=timeout_s, **tag_kw)
+        cfg.check_tp(tp_size)
+        k = self.kind
+        if not (isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
+            raise ValueError(f"{k}: tp_rank={tp_rank!r} must be in [0, tp_size={tp_size})")
+        if width not in WIDTHS:
+            raise ValueError(f"{k}: width={width!r} must be one of {WIDTHS}")
+        if not isinstance(layer, int) or not 0 <= layer < cfg.num_hidden_layers:
+            raise ValueError(f"{k}: layer={layer!r} outside [0, {cfg.num_hidden_layers})")
+        plan = cfg.layers[layer]
+        if plan.launch != self.kind:
+            raise ValueError(f"{k}: layer {layer} is a {plan.launch!r} launch (mixer {plan.mixer}, ffn {plan.ffn})")
+        if act_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"{k}: act_dtype={act_dtype!r} must be 'bfloat16' or 'float32'")
+        self.act_dtype = act_dtype
+        self.cfg, self.layer, self.tp_rank, self.tp_size, self.width = cfg, layer, tp_rank, tp_size, width
+        self.num_warps, self.block_n, self.block_k, self.num_stages = num_warps, block_n, block_k, num_stages
+        H, d = cfg.hidden_size, cfg.linear_head_dim
+        self.H, self.DK = H, d
+        self.NH = cfg.linear_num_heads // tp_size
+        self.D = self.NH * d
+        self.R = d                                        # f_a / g_a rank
+        self.KC = cfg.linear_conv_kernel_dim
+        self.N_IN = 3 * self.D + self.NH + 2 * self.R
+        self.BV = block_v or default_block_v(d)
+        if d % self.BV or self.BV & (self.BV - 1) or self.BV < 16:
+            raise ValueError(f"{k}: block_v={self.BV} must be a power of two >= 16 dividing {d}")
+        self._load_weights(source, scales)
+        if tp_size > 1 and xchg is None:
+            self.loopback = True
+            xchg = new_xchg(cfg, tp_size, width, self.device)
+        else:
+            self.loopback = False
+        if xchg is not None:
+            n = tp_size * tp_size * width * H
+            if len(xchg) != 2 or any(x.dtype != torch.int64 or x.numel() < n for x in xchg):
+                raise ValueError(f"{k}: xchg must be two int64 mailboxes of >= {n} words (see new_xchg)")
+        self.xo, self.xd = xchg if xchg is not None else (torch.zeros(1, dtype=torch.int64, device=self.device),) * 2
+        self.peer_o = torch.zeros(max(tp_size, 1), width, H, device=self.device)
+        self.peer_d = torch.zeros(max(tp_size, 1), width, H, device=self.device)
+        dev, nan = self.device, float("nan")
+        self.X_out = torch.full((width, 4, H), nan, device=dev)
+        self.S_out = torch.full((width, self.NH, d, d), nan, device=dev)
+        self.W_out = torch.full((width, self.KC - 1, 3 * self.D), nan, device=dev)
+        self.tokens = torch.zeros(width, dtype=torch.int32, device=dev)
+        self.X = self.S_in = self.win_in = None
+        self.rows = 0
+        self._setup()
+        self.meta = self._meta().to(dev)
+
+    # ------------------------------------------------------------------ weights
+    def _names(self) -> list[str]:
+        p = f"{PREFIX}layers.{self.layer}."
+        a = p + "self_attn."
+        names = [p + f"hc_{s}_{n}" for s in ("attn", "ffn") for n in ("fn", "base", "scale")]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [a + f"{n}_proj.weight" for n in ("q", "k", "v", "b", "f_a", "g_a", "f_b", "g_b", "o")]
+        names += [a + f"{n}_conv1d.weight" for n in "qkv"] + [a + "A_log", a + "dt_bias", a + "o_norm.weight"]
+        names += self._ffn_names(p)
+        if self.embed:
+            names.append(PREFIX + "embed_tokens.weight")
+        return names
+
+    def _ffn_names(self, p: str) -> list[str]:
+        return [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+
+    def _load_weights(self, source, scales) -> None:
+        w, sc = rank_tensors(self.cfg, source, self._names(), self.tp_rank, self.tp_size, scales)
+        dev, bf, f32 = self.device, torch.bfloat16, torch.float32
+        p = f"{PREFIX}layers.{self.layer}."
+        a = p + "self_attn."
+
+        def g(n, dtype=None):
+            t = w[n].to(dev)
+            return (t.to(dtype) if dtype is not None else t).contiguous()
+        self.fn1, self.base1, self.scale1 = (g(p + f"hc_attn_{n}", f32) for n in ("fn", "base", "scale"))
+        self.fn2, self.base2, self.scale2 = (g(p + f"hc_ffn_{n}", f32) for n in ("fn", "base", "scale"))
+        self.ln1, self.ln2 = g(p + "input_layernorm.weight", bf), g(p + "post_attention_layernorm.weight", bf)
+        self.W_in = torch.cat([g(a + f"{n}_proj.weight", bf) for n in ("q", "k", "v", "b", "f_a", "g_a")]).contiguous()
+        if tuple(self.W_in.shape) != (self.N_IN, self.H):
+            raise ValueError(f"{self.kind}: fused inproj is {tuple(self.W_in.shape)}, expected ({self.N_IN}, {self.H})")
+        self.conv_w = torch.cat([g(a + f"{n}_conv1d.weight", f32).squeeze(1) for n in "qkv"]).contiguous()
+        self.A_log, self.dt_bias = g(a + "A_log", f32), g(a + "dt_bias", f32)
+        self.f_b, self.g_b = g(a + "f_b_proj.weight", bf), g(a + "g_b_proj.weight", bf)
+        self.onorm_w, self.W_o = g(a + "o_norm.weight", bf), g(a + "o_proj.weight", bf)
+        self.embed_w = g(PREFIX + "embed_tokens.weight", bf) if self.embed else self.ln1
+        self._load_ffn(w, sc, p)
+
+    def _mat(self, w, sc, name):
+        """(weight, scale) on the device: FP8 kept with its scale, anything else as bf16."""
+        t = w[name].to(self.device)
+        if t.dtype == torch.float8_e4m3fn:
+            return t.contiguous(), sc[name].to(self.device, torch.float32).contiguous()
+        t = t.to(torch.bfloat16).contiguous()
+        return t, t
+
+    def _load_ffn(self, w, sc, p) -> None:
+        self.W_g, self.S_g = self._mat(w, sc, p + "mlp.gate_proj.weight")
+        self.W_u, self.S_u = self._mat(w, sc, p + "mlp.up_proj.weight")
+        self.W_d, self.S_d = self._mat(w, sc, p + "mlp.down_proj.weight")
+        self.I = self.W_g.shape[0]
+        self.fp8 = self.W_g.dtype == torch.float8_e4m3fn or self.W_d.dtype == torch.float8_e4m3fn
+        self._no_moe()
+        if self.fp8 and 128 % self.block_n:
+            raise ValueError(f"{self.kind}: FP8 needs block_n dividing 128, got {self.block_n}")
+
+    def _no_moe(self) -> None:
+        """Dense FFN: the MoE arguments are placeholders the kernel never reads (MOE=False)."""
+        self.moe, self.E, self.KE, self.I_E, self.nrpart = False, 1, 1, 1, 1
+        self.W_r = self.bias_r = self.fn1
+        self.w_gu = self.s_gu = self.w_de = self.s_de = self.W_g
+
+    # ------------------------------------------------------------------ plan
+    @classmethod
+    def site_names(cls, tp_size: int = 1, block_v_split: bool = False) -> list[str]:
+        k = cls.kind
+        s = ["hp1", "a_in", "yin"] + (["oraw"] if block_v_split else []) + ["o"]
+        s += (["xo"] if tp_size > 1 else []) + ["hp2", "a", "h"] + (["xd"] if tp_size > 1 else [])
+        return [f"{k}.{n}" for n in s]
+
+    def build_graph(self) -> TaskGraph:
+        g, G, H, W = TaskGraph(self.kind, FAMILIES), self.grid, self.H, self.width
+        BN, tp, NB = self.block_n, self.tp_size, self.DK // self.BV
+        wb = 1 if self.fp8 else 2
+        self.n_box = {}
+        # hc_pre partials: one slot per BLOCK_N column tile (join order = tile order, whatever the grid)
+        if H % BN:
+            raise ValueError(f"{self.kind}: hidden size {H} must be a multiple of block_n={BN}")
+        g.stage("hc_pre")
+        self.block_c = 32
+        n_col = H // BN
+        parts = _ranges(n_col, min(G, n_col))
+        for s, (t0, n) in enumerate(parts):
+            g.add("part", (t0, n, s), writes=("hp1",), nbytes=n * BN * (24 * 4 * 4 + W * 4 * 4))
+        self.n_box["hp1"] = len(parts)
+        self.npart1 = self.npart2 = n_col
+        self.gate_bh = min(512, H)
+        n_gate = H // self.gate_bh
+        g.stage("gate_in")
+        for t in range(n_gate):
+            g.add("gate1", (t * self.gate_bh, t), reads=("hp1",), writes=("a_in",), nbytes=W * 4 * self.gate_bh * 4)
+        self.n_box["a_in"] = n_gate
+        g.stage("inproj")
+        self._gemv_stage(g, "inproj", self.N_IN, self.H * 2, ("a_in",), ("yin",), "yin")
+        g.stage("kda")
+        slot = 0
+        for r in range(W):
+            for h in range(self.NH):
+                for cb in range(NB):
+                    g.add("kda", (r, h, cb, slot), reads=("yin",), writes=("o" if NB == 1 else "oraw",),
+                          nbytes=2 * self.BV * self.DK * 4 + 2 * self.R * (self.DK + self.BV))
+                    slot += 1
+        self.n_box["o" if NB == 1 else "oraw"] = slot
+        if NB > 1:
+            g.stage("kda_norm")
+            slot = 0
+            for r in range(W):
+                for h in range(self.NH):
+                    for cb in range(NB):
+                        g.add("kda_norm", (r, h, cb, slot), reads=("oraw",), writes=("o",), nbytes=2 * self.R * self.BV)
+                        slot += 1
+            self.n_box["o"] = slot
+        g.stage("o_proj")
+        if tp == 1:
+            self._gemv_stage(g, "oproj", H, self.D * 2, ("o",), ("hp2",), "hp2")
+        else:
+            ranges = self._gemv_stage(g, "oproj", H, self.D * 2, ("o",), ("xo",), None, ret_ranges=True)
+            self._peers(g, "peer_o", ranges, "xo")
+            g.stage("o_sum")
+            for s, (t0, n) in enumerate(ranges):
+                g.add("post1", (t0, n, s), reads=("xo",), writes=("hp2",), nbytes=tp * W * n * BN * 8)
+            self.n_box["hp2"] = len(ranges)
+        g.stage("gate_ffn")
+        for t in range(n_gate):
+            g.add("gate2", (t * self.gate_bh, t), reads=("hp2",), writes=("a",), nbytes=W * 4 * self.gate_bh * 4)
+        self.n_box["a"] = n_gate
+        self._ffn_graph(g, wb)
+        return g
+
+    def _ffn_graph(self, g: TaskGraph, wb: int) -> None:
+        H, tp, BN, W = self.H, self.tp_size, self.block_n, self.width
+        g.stage("gate_up")
+        self._gemv_stage(g, "gu", self.I, 2 * H * wb, ("a",), ("h",), "h")
+        g.stage("down")
+        if tp == 1:
+            self._gemv_stage(g, "down", H, self.I * wb, ("h",), (), None)
+        else:
+            ranges = self._gemv_stage(g, "down", H, self.I * wb, ("h",), ("xd",), None, ret_ranges=True)
+            self._peers(g, "peer_d", ranges, "xd")
+            g.stage("down_sum")
+            for (t0, n) in ranges:
+                g.add("post2", (t0, n), reads=("xd",), nbytes=tp * W * n * BN * 8)
+
+    def _gemv_stage(self, g, fam, N, row_bytes, reads, writes, box, ret_ranges=False):
+        tiles = -(-N // self.block_n)
+        ranges = _ranges(tiles, min(self.grid, tiles))
+        for s, (t0, n) in enumerate(ranges):
+            rows_n = min((t0 + n) * self.block_n, N) - t0 * self.block_n
+            g.add(fam, (t0, n, s), reads=reads, writes=writes, nbytes=rows_n * row_bytes)
+        if box is not None:
+            self.n_box[box] = len(ranges)
+        return ranges if ret_ranges else len(ranges)
+
+    def _peers(self, g, fam, ranges, region) -> None:
+        if not self.loopback:
+            return
+        for p in range(self.tp_size):
+            if p != self.tp_rank:
+                for (t0, n) in ranges:
+                    g.add(fam, (p, t0, n), writes=(region,), nbytes=self.width * n * self.block_n * 4)
+
+    def plan_scratch(self, pl: Planner) -> None:
+        W, H, D, NB = self.width, self.H, self.D, self.DK // self.BV
+        f32, bf = "float32", self.act_dtype
+        pl.rows("part1", (self.npart1, ROWS_PAD, SLOT), f32)
+        pl.rows("part2", (self.npart2, ROWS_PAD, SLOT), f32)
+        pl.rows("coef1", (W, 24), f32)
+        pl.rows("coef2", (W, 24), f32)
+        pl.rows("x0", (W, 4, H), f32)
+        pl.rows("a_in_rows", (W, H), bf)
+        pl.rows("a_rows", (W, H), bf)
+        pl.rows("yin_rows", (W, self.N_IN), f32)
+        pl.rows("oraw_rows", (W, D), f32)
+        pl.rows("ssq", (W, self.NH, NB), f32)
+        pl.rows("o_rows", (W, D), bf)
+        pl.rows("y1", (W, H), f32)
+        pl.rows("xmid", (W, 4, H), f32)
+        pl.rows("h_rows", (W, self.I), bf)
+        pl.rows("y2", (W, H), f32)
+        pl.rows("part_r", (self.nrpart, W, self.E), f32)
+        pl.rows("ids_rec", (W, self.KE), "int32")
+        pl.rows("rw_rec", (W, self.KE), f32)
+        pl.rows("act_e", (W, self.KE, self.I_E), bf)
+        for b in BOXES:
+            pl.box("box_" + b, self.grid, max(1, self.n_box.get(b, 1)))
+
+    def _meta(self) -> torch.Tensor:
+        L, sched = self.layout, self.schedule
+        m = [0] * META_WORDS
+        for i, b in enumerate(BOXES):
+            r = L["box_" + b]
+            m[4 * i: 4 * i + 4] = [r.elem_offset(), r.shape[1], self.n_box.get(b, 0), sched.site_id(b)]
+        for n in ROWS_REGIONS:
+            m[META[n]] = L[n].elem_offset()
+        m[META["hdr"]] = L["hdr"].elem_offset()
+        m[META["site_xo"]], m[META["site_xd"]] = sched.site_id("xo"), sched.site_id("xd")
+        m[META["npart1"]], m[META["npart2"]], m[META["nrpart"]] = self.npart1, self.npart2, self.nrpart
+        return torch.tensor(m, dtype=torch.int32)
+
+    def kernel(self):
+        return kda_layer_kernel
+
+    def kernel_args(self, stage_lo, stage_hi, bump, fault_site):
+        if self.X is None and not self.embed:
+            raise RuntimeError(f"{self.kind}: no input; call run() or set_input() first")
+        cfg = self.cfg
+        X = self.X if self.X is not None else self.X_out
+        args = (self.table, self.starts, self.meta, self.scratch, self.xo, self.xd, self.peer_o, self.peer_d,
+                X, self.X_out, self.tokens, self.embed_w,
+                self.fn1, self.base1, self.scale1, self.ln1, self.fn2, self.base2, self.scale2, self.ln2,
+                self.W_in, self.S_in, self.S_out, self.win_in, self.W_out, self.conv_w, self.A_log, self.dt_bias,
+                self.f_b, self.g_b, self.onorm_w, self.W_o, self.W_g, self.S_g, self.W_u, self.S_u, self.W_d, self.S_d,
+                self.W_r, self.bias_r, self.w_gu, self.s_gu, self.w_de, self.s_de,
+                self.rows, self.width, self.tp_rank, self.tp_size, float(cfg.rms_norm_eps), float(cfg.hc_eps),
+                float(cfg.linear_lower_bound), float(cfg.swiglu_limit), float(cfg.routed_scaling_factor),
+                stage_lo, stage_hi, bump, self.tag_stride, self.tag_offset, fault_site, self._timeout_ns)
+        const = dict(H=self.H, D=self.D, NH=self.NH, R=self.R, N_IN=self.N_IN, I=self.I, DK=self.DK, DV=self.DK,
+                     BV=self.BV, KC=self.KC, CK=32, BLOCK_N=self.block_n, BLOCK_K=self.block_k, PF_K=128,
+                     NUM_STAGES=self.num_stages, BLOCK_C=self.block_c, GATE_BH=self.gate_bh,
+                     ITERS=cfg.hc_sinkhorn_iters, ROWS_PAD=ROWS_PAD, EMBED=self.embed,
+                     ACT_F32=self.act_dtype == "float32", MOE=self.moe, E=self.E, KE=self.KE, I_E=self.I_E,
+                     E_PAD=triton.next_power_of_2(self.E), K_PAD=triton.next_power_of_2(self.KE),
+                     RENORM=bool(cfg.norm_topk_prob), BLOCK_E=16, RCK=32)
+        return args, const
+
+    # ------------------------------------------------------------------ run
+    def _check(self, name, t, shape, dtype=torch.float32):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            desc = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{self.kind}: {name} must be {dtype} {list(shape)}, got {desc}")
+        if not t.is_contiguous():
+            raise ValueError(f"{self.kind}: {name} must be contiguous")
+        if t.device != self.device and not (t.device.type == self.device.type == "cuda"):
+            raise ValueError(f"{self.kind}: {name} is on {t.device}, the launch on {self.device}")
+
+    def set_input(self, X, kda_state, conv_window) -> None:
+        """Validate and hold this step's inputs (X None for embed, whose rows come from set_tokens)."""
+        rows = kda_state.shape[0] if isinstance(kda_state, torch.Tensor) and kda_state.dim() == 4 else 0
+        if not 1 <= rows <= self.width:
+            raise ValueError(f"{self.kind}: {rows} rows; this launch is built for 1..{self.width}")
+        if X is not None:
+            self._check("X", X, (rows, 4, self.H))
+        self._check("kda_state", kda_state, (rows, self.NH, self.DK, self.DK))
+        self._check("conv_window", conv_window, (rows, self.KC - 1, 3 * self.D))
+        self.X, self.S_in, self.win_in, self.rows = X, kda_state, conv_window, rows
+
+    def set_step(self, x, kda_state, conv_window) -> None:
+        """set_input for run_tp (x: X, or the token ids for embed)."""
+        self.set_input(x, kda_state, conv_window)
+
+    def commit(self) -> None:
+        """Copy the new state and window into the caller's tensors (after a clean launch only)."""
+        self.S_in.copy_(self.S_out[: self.rows])
+        self.win_in.copy_(self.W_out[: self.rows])
+
+    def set_peers(self, peer: dict | None) -> None:
+        """Loopback: peer rank -> (o_proj partial [rows, H], down partial [rows, H]); absent ranks add 0."""
+        self.peer_o.zero_()
+        self.peer_d.zero_()
+        for p, (po, pd) in (peer or {}).items():
+            self.peer_o[p, : po.shape[0]] = po
+            self.peer_d[p, : pd.shape[0]] = pd
+
+    def run(self, X, kda_state, conv_window, *, inject_fault: str | None = None, peer: dict | None = None,
+            commit: bool = True):
+        """One checked launch -> X' [rows, 4, H] fp32. The new state / window are copied into the caller's
+        tensors after a clean launch (commit=False: left in S_out / W_out only). Raises HandoffTimeout
+        (the caller's state untouched) on a fault."""
+        fault = self.fault_id(inject_fault)
+        self.set_step(X, kda_state, conv_window)
+        if self.loopback:
+            self.set_peers(peer)
+        self.enqueue(fault)
+        self.check()
+        if commit:
+            self.commit()
+        return self.X_out[: self.rows].clone()
+
+    def own_partials(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """TP > 1: this rank's own (o_proj, down) partial sums of the latest launch, fp32 [rows, H] each,
+        decoded from its slot of the exchange mailboxes (loopback runs feed them to the other ranks)."""
+        if self.tp_size == 1:
+            raise ValueError(f"{self.kind}: own_partials needs tp_size > 1")
+        shape = (self.tp_size, self.tp_size, self.width, self.H)
+        out = []
+        for x in (self.xo, self.xd):
+            w = x.view(shape)[self.tp_rank, self.tp_rank, : self.rows]
+            out.append((w >> 32).to(torch.int32).view(torch.float32).clone())
+        return out[0], out[1]
+
+
+def new_xchg(cfg, tp_size: int, width: int, device):
+    """The cross-rank mailboxes (xo, xd): int64 [tp (dest), tp (src), width, H] pairs each."""
+    n = tp_size * tp_size * width * cfg.hidden_size
+    return (torch.zeros(n, dtype=torch.int64, device=device), torch.zeros(n, dtype=torch.int64, device=device))
+
+
+def run_tp(launches: list[KdaLayerLaunch], inputs: list[tuple], inject_fault: str | None = None,
+           fault_rank: int = 0) -> list[torch.Tensor]:
+    """Simulated TP (CPU): inputs[r] = (X or tokens, kda_state, conv_window) of rank r; every rank's
+    stage s, then stage s + 1. Commits every rank's state only if no rank faulted. -> X' per rank."""
+    faults = []
+    for r, (L, inp) in enumerate(zip(launches, inputs)):
+        L.set_step(*inp)
+        faults.append(L.fault_id(inject_fault) if r == fault_rank else -1)
+    run_interleaved(launches, faults)
+    for L in launches:
+        L.commit()
+    return [L.X_out[: L.rows].clone() for L in launches]

@@ -1,0 +1,151 @@
+"""Device pieces of the KDA-mixer half of a layer launch (dense / kda / embed kinds): the token
+gather, the mHC gate row, the KDA block task with its in-task low-rank f / output gate, and the
+cross-rank exchange of a GEMV tile. Pure compute; the waits and publishes stay in the kernel
+(launches/kda_layer.py), which owns the control flow and the error path.
+
+Why these shapes:
+- The gate row (`gate_rows`) is written by a few column-tile tasks after a box wait on every hc_pre
+  partial, and handed to the GEMV tasks through a second box (plain bf16 rows + release drain).
+  The alternative, every consumer CTA forming the whole row itself from the joined partials, costs
+  each consumer a pass over X (rows x 64 KB at H = 4096) before its first GEMV: ~8 MB of L2 reads per
+  row over 132 CTAs, several us, against one ~1 us hop that hides behind the weight chunk every GEMV
+  task issues before its wait. The Sinkhorn itself is redundant per gate task (hc_coeffs).
+- f and the output gate are formed inside the KDA block task from the inproj's f_a / g_a rows
+  (kernels/kda.py kda_lowrank): no f_b / g_b stage, no hop.
+- A GEMV tile that needs a cross-rank sum (o_proj, down) is published as tagged pairs into every
+  rank's exchange slot (`xchg_publish`) and summed by the column tile's owner in rank order
+  (`xchg_sum`), so every rank gets the same bits. One buffer per mailbox is enough: a rank publishes
+  launch N+1's xo only after it finished launch N, which needed every peer's xd of launch N, which
+  each peer publishes only after it read all of launch N's xo (and likewise for xd).
+"""
+import triton
+import triton.language as tl
+
+from sync.device import await_pairs, publish_pairs
+
+from ..kernels.kda import (kda_head_finish, kda_lowrank, kda_norm_apply, kda_norm_block, kda_state_prefetch,
+                           kda_store_o)
+from ..kernels.mhc import hc_coeffs, hc_gate_tile, hc_store_coef
+
+SLOT_W: tl.constexpr = tl.constexpr(40)       # kernels/mhc.py HC_SLOT
+
+
+@triton.jit
+def embed_gather(tokens, embed_w, x0, rows, c0, c1, H: tl.constexpr, BLOCK_C: tl.constexpr):
+    """x0[r, j, c] = embed_w[tokens[r], c] (fp32) for the 4 streams j, columns [c0, c1), rows < rows."""
+    j = tl.arange(0, 4)
+    c = c0
+    while c < c1:
+        cc = c + tl.arange(0, BLOCK_C)
+        m = cc < c1
+        r = 0
+        while r < rows:
+            tok = tl.load(tokens + r).to(tl.int64)
+            e = tl.load(embed_w + tok * H + cc, mask=m, other=0.0).to(tl.float32)
+            tl.store(x0 + r * 4 * H + j[:, None] * H + cc[None, :], e[None, :] + tl.zeros([4, BLOCK_C], tl.float32),
+                     mask=m[None, :])
+            r += 1
+        c += BLOCK_C
+
+
+@triton.jit
+def gate_rows(X, part, n_parts, base, scale, ln_w, coef, a, rows, c0, write_coef, eps, hc_eps,
+              H: tl.constexpr, ROWS_PAD: tl.constexpr, ITERS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Gate-row tile [c0, c0 + BLOCK_H) of every row: join the hc_pre partial slots (task order), run
+    the Sinkhorn, a[r, c] = rms_norm(sum_j pre[j] X[r, j, c]) * ln_w[c]; with write_coef also the
+    coefficient row coef[r] (pre | post | comb) that hc_post reads."""
+    r = 0
+    while r < rows:
+        pre, post, comb, rstd = hc_coeffs(part + r * SLOT_W, ROWS_PAD * SLOT_W, n_parts, base, scale, H, eps, hc_eps,
+                                          ITERS)
+        if write_coef != 0:
+            hc_store_coef(coef + r * 24, pre, post, comb)
+        hc_gate_tile(X + r * 4 * H, pre, rstd, ln_w, a + r * H, a + r * H, c0, H, BLOCK_H, False)
+        r += 1
+
+
+@triton.jit
+def kda_block(S_blk, r, h, v0, yin, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w, on,
+              o_raw, ssq, eps, lower_bound, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr, N_IN: tl.constexpr,
+              DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, CK: tl.constexpr):
+    """One (row, head, value block) of the KDA step, after the inproj wait. S_blk: the prefetched old
+    state rows. yin row r = q | k | v | b | f_a | g_a (fp32). NB = DV // BV == 1: the gated norm runs
+    here (on, the o_proj input); otherwise the raw block and its sum of squares go to o_raw / ssq for
+    the kda_norm stage."""
+    NB: tl.constexpr = DV // BV
+    yr = yin + r * N_IN
+    wr = r * (KC - 1) * 3 * D
+    fv = kda_lowrank(f_b, yr + 3 * D + NH, h * DK, R, DK, CK)
+    S_new = S_out + r.to(tl.int64) * NH * DV * DK
+    o_blk, ss = kda_head_finish(S_blk, yr, yr + 3 * D, fv, win_in + wr, win_out + wr, conv_w, A_log, dt_bias, S_new,
+                                h, v0, D, lower_bound, DK, DV, BV, KC)
+    if NB == 1:
+        gv = kda_lowrank(g_b, yr + 3 * D + NH + R, h * DV + v0, R, BV, CK)
+        kda_norm_apply(o_blk, ss, gv, onorm_w, on + r * D, on + r * D, h, v0, eps, DV, BV, False)
+    else:
+        kda_store_o(o_raw + r * D, ssq + r * NH * NB, o_blk, ss, h, v0, NB, DV, BV)
+
+
+@triton.jit
+def kda_prefetch(S_in, r, h, v0, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    return kda_state_prefetch(S_in + r.to(tl.int64) * NH * DV * DK, h, v0, DV, DK, BV)
+
+
+@triton.jit
+def kda_norm_task(r, h, v0, yin, g_b, onorm_w, on, o_raw, ssq, eps, D: tl.constexpr, NH: tl.constexpr,
+                  R: tl.constexpr, N_IN: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CK: tl.constexpr):
+    """Join of a head's block partial sums (block order) and the gated norm of block v0 of row r."""
+    NB: tl.constexpr = DV // BV
+    gv = kda_lowrank(g_b, yin + r * N_IN + 3 * D + NH + R, h * DV + v0, R, BV, CK)
+    kda_norm_block(o_raw + r * D, ssq + r * NH * NB, gv, onorm_w, on + r * D, on + r * D, h, v0, eps, NB, DV, BV,
+                   False)
+
+
+@triton.jit
+def xchg_publish(xchg, acc, n0, rows, width, tp_rank, tp_size, tag, site, fault_site, N: tl.constexpr,
+                 ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This rank's partial tile acc [BLOCK_N, ROWS_PAD] (acc[j, r] = y[r, n0 + j]) into slot
+    (dest d, src tp_rank) of every rank d: xchg [tp (dest), tp (src), width, N] tagged pairs."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, ROWS_PAD)
+    m = (offs_n[:, None] < N) & (offs_r[None, :] < rows)
+    d = 0
+    while d < tp_size:
+        base = xchg + (d * tp_size + tp_rank).to(tl.int64) * width * N
+        publish_pairs(base + offs_r[None, :] * N + offs_n[:, None], acc, tag, m, site, fault_site)
+        d += 1
+
+
+@triton.jit
+def xchg_sum(xchg, y, n0, rows, width, tp_rank, tp_size, tag, hdr, site, cta, budget_ns, N: tl.constexpr,
+             ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Await every rank's partial of columns [n0, n0 + BLOCK_N) and store their sum, added in rank
+    order, to y [rows, N] fp32. -> ok."""
+    k = tl.arange(0, ROWS_PAD * BLOCK_N)
+    r = k // BLOCK_N
+    n = n0 + k % BLOCK_N
+    m = (r < rows) & (n < N)
+    acc = tl.zeros([ROWS_PAD * BLOCK_N], tl.float32)
+    ok = 1
+    s = 0
+    while (s < tp_size) & (ok != 0):
+        base = xchg + (tp_rank * tp_size + s).to(tl.int64) * width * N
+        vals, ok = await_pairs(base + r * N + n, m, tag, hdr, site, cta, budget_ns)
+        acc += vals.to(tl.float32, bitcast=True)
+        s += 1
+    if ok != 0:
+        tl.store(y + r * N + n, acc, mask=m)
+    return ok
+
+
+@triton.jit
+def peer_publish(xchg, peer, p, n0, rows, width, tp_rank, tp_size, tag, site, fault_site, N: tl.constexpr,
+                 ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Loopback (one GPU, TP > 1): rank p's partial of columns [n0, n0 + BLOCK_N), taken from
+    peer [tp, width, N] fp32, into this rank's slot for source p."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, ROWS_PAD)
+    m = (offs_n[:, None] < N) & (offs_r[None, :] < rows)
+    v = tl.load(peer + (p * width + offs_r[None, :]) * N + offs_n[:, None], mask=m, other=0.0)
+    base = xchg + (tp_rank * tp_size + p).to(tl.int64) * width * N
+    publish_pairs(base + offs_r[None, :] * N + offs_n[:, None], v, tag, m, site, fault_site)

@@ -1,0 +1,190 @@
+"""The `kda` launch (KDA mixer + MoE: router, expert slots, shared expert, down) against the
+reference's `layer_step` on the tiny preset (8 experts, top-2), interpreter, stage by stage: X', the
+KDA state and conv window, the in-launch routing record against the reference router on the launch's
+own gate row, NaN-poisoned scratch, fault injection at every wait site, simulated TP2, FP8 experts from
+a checkpoint; GPU checks at real shapes (16 experts) under the `gpu` marker.
+Shared helpers: tests/test_launch_dense.py."""
+import pytest
+import torch
+
+from glm53_flash.launches import build_launch, sites
+from glm53_flash.launches.kda import KdaLaunch
+from glm53_flash.launches.layer_host import new_xchg, run_tp
+from glm53_flash.reference import ops
+from glm53_flash.reference.model import ReferenceModel
+from test_launch_dense import (TOL_BF16, check_step, fault_every_site, gpu_layer_check, make_step, poison_scratch,
+                               rank_state, tiny_ref)  # noqa: F401 (fixture)
+
+KDA_LAYER = 4
+
+
+def check_routing(L, rows):
+    """The launch's routing record equals the reference router run on the launch's own gate row."""
+    a = L.layout.view(L.scratch, "a_rows")[:rows].float()
+    ids = L.layout.view(L.scratch, "ids_rec")[:rows]
+    rw = L.layout.view(L.scratch, "rw_rec")[:rows]
+    w_ref, idx_ref = ops.moe_route(a, L.W_r.cpu(), L.bias_r.cpu(), L.cfg)
+    assert ids.long().tolist() == idx_ref.tolist()
+    assert torch.allclose(rw, w_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("width, rows", [(1, 1), (4, 3)], ids=["w1", "w4-rows3"])
+def test_kda_vs_reference(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, width, rows):
+    X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, rows, gen)
+    S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
+    L = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=width)
+    poison_scratch(L)
+    out = L.run(X, S, W)
+    check_routing(L, rows)
+    check_step(L, out, S, W, tiny_ref, caches, KDA_LAYER, X, TOL_BF16, label="bf16")
+    assert bool(torch.isnan(L.X_out[rows:]).all()) and bool(torch.isnan(L.S_out[rows:]).all())
+
+
+def test_kda_batch_and_grid_invariance(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
+    # routing included: a row's bits do not depend on the width, the other rows or the grid
+    X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 2, gen)
+    S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
+    a = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=2).run(X, S2 := S.clone(), W2 := W.clone())
+    S1, W1 = S[1:2].clone(), W[1:2].clone()
+    c = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=1, grid=3).run(X[1:2].clone(), S1, W1)
+    assert torch.equal(c[0], a[1]) and torch.equal(S1[0], S2[1]) and torch.equal(W1[0], W2[1])
+
+
+def test_kda_fault_every_site_then_clean(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
+    X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 1, gen)
+    S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
+    L = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=1)
+    want = [f"kda.{s}" for s in ("hp1", "a_in", "yin", "o", "hp2", "a", "rl", "h", "xe")]
+    assert sites("kda", head_dim=64) == want
+    fault_every_site(L, X, S, W, want, clean_after=("kda.hp1", "kda.rl", "kda.xe"))
+
+
+def test_kda_tp2_simulated(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
+    X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 2, gen)
+    xchg = new_xchg(tiny_cfg, 2, 2, "cpu")
+    Ls = [KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, tp_rank=r, tp_size=2, width=2, xchg=xchg) for r in range(2)]
+    assert Ls[0].I_E == tiny_cfg.moe_intermediate_size // 2
+    ins = [(X, *rank_state(tiny_cfg, caches, KDA_LAYER, r, 2)) for r in range(2)]
+    outs = run_tp(Ls, ins)
+    assert torch.equal(outs[0], outs[1])
+    for r in range(2):
+        check_step(Ls[r], outs[r], ins[r][1], ins[r][2], tiny_ref, caches, KDA_LAYER, X, TOL_BF16, tp=2, rank=r,
+                   label="tp2")
+
+
+def test_kda_fp8_checkpoint(tiny_cfg, tmp_path, gen, one_thread):
+    from glm53_flash.checkpoint import load_checkpoint, make_random_checkpoint
+    make_random_checkpoint(tiny_cfg, tmp_path / "ck", seed=5, weights="fp8")
+    ck = load_checkpoint(tmp_path / "ck", progress=False)
+    ref = ReferenceModel(tiny_cfg, ck.dequantized())
+    X, caches = make_step(tiny_cfg, ref, KDA_LAYER + 1, 2, gen)
+    S, W = rank_state(tiny_cfg, caches, KDA_LAYER + 1)
+    L = build_launch("kda", ck, width=2, layer=KDA_LAYER + 1)
+    assert L.w_gu.dtype == torch.float8_e4m3fn and L.W_g.dtype == torch.float8_e4m3fn
+    out = L.run(X, S, W)
+    check_routing(L, 2)
+    check_step(L, out, S, W, ref, caches, KDA_LAYER + 1, X, TOL_BF16, label="fp8")
+
+
+def test_kda_rejects_other_layers(tiny_cfg, tiny_weights):
+    with pytest.raises(ValueError, match="layer 1 is a 'dense' launch"):
+        KdaLaunch(tiny_cfg, tiny_weights, 1)
+    with pytest.raises(ValueError, match="layer 3 is a 'sparse' launch"):
+        KdaLaunch(tiny_cfg, tiny_weights, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("tp", [1, 8], ids=["tp1", "tp8"])
+@pytest.mark.parametrize("width", [1, 8], ids=["w1", "w8"])
+def test_gpu_kda(tp, width, fmt):
+    gpu_layer_check(KdaLaunch, KDA_LAYER, tp, width, fmt)
+
+
+# ---------------------------------------------------------------------------- offline sm_90 compile
+_COMPILE = r'''
+import json, os, re, subprocess, sys, tempfile
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from glm53_flash.launches.kda_layer import kda_layer_kernel as k
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+F, B, Q = "*fp32", "*bf16", "*fp8e4nv"
+out = []
+for v in json.loads(sys.argv[1]):
+    fp8, c = v["fp8"], v["consts"]
+    ptr = dict(table="*i32", starts="*i32", meta="*i32", scratch="*i32", xo="*i64", xd="*i64", tokens="*i32",
+               embed_w=B, ln1=B, ln2=B, W_in=B, f_b=B, g_b=B, onorm_w=B, W_o=B,
+               W_g=Q if fp8 else B, S_g=F if fp8 else B, W_u=Q if fp8 else B, S_u=F if fp8 else B,
+               W_d=Q if fp8 else B, S_d=F if fp8 else B, w_gu=Q if fp8 else B, s_gu=F if fp8 else B,
+               w_de=Q if fp8 else B, s_de=F if fp8 else B)
+    ints = ("rows", "width", "tp_rank", "tp_size", "stage_lo", "stage_hi", "bump", "tag_stride", "tag_offset",
+            "fault_site")
+    sig = {n: ("constexpr" if n in c else ptr.get(n, "i32" if n in ints else "i64" if n == "timeout_ns" else
+               "fp32" if n in ("eps", "hc_eps", "lower_bound", "swiglu_limit", "scaling") else F)) for n in k.arg_names}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}
+    ck = triton.compile(ASTSource(fn=k, signature=sig, constexprs=c, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=v["warps"]))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ck.asm["ptx"])
+    log = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True,
+                         check=True).stderr
+    os.unlink(f.name)
+    out.append(dict(name=v["name"], regs=int(re.search(r"Used (\d+) registers", log)[1]),
+                    spill=int(re.search(r"(\d+) bytes spill stores", log)[1]), shared=ck.metadata.shared,
+                    spin_ok=ck.asm["ptx"].count("ld.relaxed.gpu.global.v4.u32") > 0))
+print(json.dumps(out))
+'''
+
+
+def real_consts(tp=1, moe=False, embed=False, fp8=False, warps=4):
+    """Constexprs of a real-shape build (H 4096, 64 KDA heads x 128, dense 12288 / MoE 288 x 2048, top-8)."""
+    H, d, nh = 4096, 128, 64 // tp
+    D = nh * d
+    c = dict(H=H, D=D, NH=nh, R=d, N_IN=3 * D + nh + 2 * d, I=(2048 if moe else 12288) // tp, DK=d, DV=d, BV=32, KC=4,
+             CK=32, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=3, BLOCK_C=32, GATE_BH=512, ITERS=20, ROWS_PAD=8,
+             EMBED=embed, ACT_F32=False, MOE=moe, E=288 if moe else 1, KE=8 if moe else 1,
+             I_E=(2048 // tp) if moe else 1, E_PAD=512 if moe else 1, K_PAD=8 if moe else 1, RENORM=True, BLOCK_E=16,
+             RCK=32)
+    return dict(name=f"{'kda' if moe else 'embed' if embed else 'dense'}-tp{tp}-{'fp8' if fp8 else 'bf16'}-w{warps}",
+                consts=c, fp8=fp8, warps=warps)
+
+
+def compile_sm90(variants):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("Triton's bundled ptxas is missing")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(variants)], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    stats = json.loads(res.stdout.strip().splitlines()[-1])
+    for s in stats:
+        print(f"{s['name']}: {s['regs']} registers, {s['spill']} B spilled, {s['shared']} B shared")
+    return stats
+
+
+def test_sm90_compile_kda_tp8():
+    """The whole kernel (every family, MoE included) compiles for sm_90 with its spin loops intact.
+    Registers are reported, not gated (see the report: 255 with some spill at 4 warps)."""
+    (s,) = compile_sm90([real_consts(tp=8, moe=True)])
+    assert s["spin_ok"] and s["regs"] <= 255
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("os").environ.get("GLM53_COMPILE_MATRIX"), reason="~6 min: GLM53_COMPILE_MATRIX=1")
+def test_sm90_compile_matrix():
+    """Every kind x format at TP1 / TP8, 4 and 8 warps: compiles; registers and spills printed."""
+    vs = [real_consts(tp=tp, moe=moe, embed=embed, fp8=fp8, warps=w) for moe, embed in ((False, False), (False, True),
+          (True, False)) for tp in (1, 8) for fp8 in (False, True) for w in (4, 8)]
+    for s in compile_sm90(vs):
+        assert s["spin_ok"] and s["regs"] <= 255
