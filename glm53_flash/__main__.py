@@ -25,6 +25,13 @@ def _prompt(s: str) -> list[int]:
     return ids
 
 
+def _kinds(s: str) -> list[str]:
+    kinds = [k.strip() for k in s.split(",") if k.strip()]
+    if not kinds:
+        raise argparse.ArgumentTypeError("--kernels is empty: give launch kinds, e.g. tail")
+    return kinds
+
+
 def _prepare_device(device: str) -> None:
     """On the CPU, kernels run under the Triton interpreter (must be set before triton is imported)."""
     if device == "cpu":
@@ -59,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "step: the HandoffTimeout is printed, the launch retried, and the tokens must "
                              "equal those of a run without the fault")
         sp.add_argument("--max-len", type=int, default=4096, help="cache length per slot (positions)")
+        sp.add_argument("--kernels", type=_kinds, default=None, metavar="KIND,...",
+                        help="with --path auto: only these launch kinds run as kernels, e.g. tail or "
+                             "embed,dense,kda,tail (default: every kind that exists)")
 
     g = sub.add_parser("generate", help="teacher-force a prompt, then greedy-decode",
                        description="Teacher-forces the prompt through decode steps, then greedy-decodes "
@@ -108,7 +118,7 @@ def _mono_check(runner):
 
 def cmd_generate(a) -> int:
     from .runner import Runner
-    r = Runner(a.checkpoint, device=a.device, path=a.path, max_len=a.max_len)
+    r = Runner(a.checkpoint, device=a.device, path=a.path, max_len=a.max_len, kinds=a.kernels)
     checker = _mono_check(r)
     res = r.generate(a.prompt, a.max_new_tokens, inject_fault=a.inject_fault)
     if checker is not None:
@@ -134,7 +144,7 @@ def cmd_demo(a) -> int:
     if not os.path.exists(os.path.join(a.checkpoint, "model.safetensors.index.json")):
         print(f"making a tiny random checkpoint in {a.checkpoint}")
         make_random_checkpoint(preset("tiny"), a.checkpoint, seed=0, weights="bf16")
-    r = Runner(a.checkpoint, device=a.device, path=a.path, max_len=a.max_len)
+    r = Runner(a.checkpoint, device=a.device, path=a.path, max_len=a.max_len, kinds=a.kernels)
     print("launch paths:", ", ".join(f"{k}={v}" for k, v in r.paths.items()))
     prompt = a.prompt
     t0 = time.perf_counter()

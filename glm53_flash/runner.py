@@ -19,7 +19,8 @@ from .reference.model import ReferenceModel
 
 
 # launch kinds this runner drives as kernels when they exist (the rest of a step runs on the reference)
-DRIVEN_KINDS = ("tail",)
+DRIVEN_KINDS = ("tail", "embed", "dense", "kda")
+LAYER_KINDS = ("embed", "dense", "kda")
 
 
 @dataclass
@@ -47,7 +48,8 @@ class Runner:
     """Greedy decode of one request on the reference + whatever launch kinds exist."""
 
     def __init__(self, checkpoint: str, device: str = "cpu", path: str = "auto", max_len: int = 4096,
-                 log=print):
+                 log=print, kinds: list[str] | None = None):
+        """kinds: with path="auto", the launch kinds to run as kernels (default: every kind that exists)."""
         if path not in ("auto", "reference"):
             raise ValueError(f"path={path!r}: expected 'auto' or 'reference'")
         if device == "cuda" and not torch.cuda.is_available():
@@ -63,11 +65,23 @@ class Runner:
         self.kernels = {}
         # after-launch hooks: hook(kind, launch, outputs: dict, reference: dict) (check.py's MONO_CHECK)
         self.hooks = []
+        self.layer_kernels = {}      # layer index -> launch (one launch per layer: it holds that layer's weights)
         if path == "auto":
             from .launches import available, build_launch
-            for kind in available():
-                if kind in DRIVEN_KINDS:
-                    self.kernels[kind] = build_launch(kind, self.ckpt, device=device)
+            unknown = sorted(set(kinds or ()) - set(available()))
+            if unknown:
+                raise ValueError(f"kernels {unknown} do not exist; launch kinds with kernels: {available()}")
+            undriven = sorted(set(kinds or ()) - set(DRIVEN_KINDS))
+            if undriven:
+                raise ValueError(f"kernels {undriven} exist but the runner does not drive them yet; "
+                                 f"it drives {list(DRIVEN_KINDS)}")
+            driven = [k for k in available() if k in DRIVEN_KINDS and (kinds is None or k in kinds)]
+            for p in self.cfg.layers:
+                if p.launch in driven:
+                    self.layer_kernels[p.index] = build_launch(p.launch, self.ckpt, device=device, layer=p.index)
+                    self.kernels.setdefault(p.launch, self.layer_kernels[p.index])
+            if "tail" in driven:
+                self.kernels["tail"] = build_launch("tail", self.ckpt, device=device)
 
     @property
     def paths(self) -> dict[str, str]:
@@ -89,14 +103,19 @@ class Runner:
             return fn(None)
 
     def step(self, caches, token: int, pos: int, fault=None, faults=None) -> tuple[torch.Tensor, int]:
-        """One decode step of slot 0: returns (logits [V] fp32, greedy next id)."""
+        """One decode step of slot 0: returns (logits [V] fp32, greedy next id). `fault` = (kind, site) is
+        injected into the first launch of that kind in this step."""
         faults = [] if faults is None else faults
+        fault = [fault]                                                  # one-shot within the step
         tokens = torch.tensor([token], dtype=torch.long, device=self.device)
         positions = torch.tensor([pos], dtype=torch.long, device=self.device)
-        X = self.ref.decode_trunk(caches, tokens, positions)          # [1, 4, H] fp32 mHC streams
+        if not self.layer_kernels:
+            X = self.ref.decode_trunk(caches, tokens, positions)        # [1, 4, H] fp32 mHC streams
+        else:
+            X = self._trunk(caches, tokens, positions, fault, faults)
         if "tail" in self.kernels:
             tail = self.kernels["tail"]
-            logits, ids = self._run_launch("tail", lambda site: tail.run(X, inject_fault=site), fault, faults)
+            logits, ids = self._launch("tail", tail, lambda site: tail.run(X, inject_fault=site), fault, faults)
             if self.hooks:
                 ref = self.ref.tail(X)
                 for hook in self.hooks:
@@ -105,16 +124,49 @@ class Runner:
         logits = self.ref.tail(X)
         return logits[0], int(torch.argmax(logits[0]))                 # argmax: first max = lowest index
 
+    def _launch(self, kind, launch, fn, fault: list, faults: list[str]):
+        """Run one launch, injecting the pending fault if it targets this kind (then it is used up)."""
+        f = fault[0]
+        if f is not None and f[0] == kind:
+            fault[0] = None
+        return self._run_launch(kind, fn, f, faults)
+
+    def _trunk(self, caches, tokens, positions, fault: list, faults: list[str]) -> torch.Tensor:
+        """Embed + every layer, each on its launch where one exists, else on the reference; lengths
+        advanced at the end (as ReferenceModel.decode_trunk). Each launch commits its layer's KDA state
+        only after a clean run, so a retried launch sees the state as it was."""
+        kda_index = {li: j for j, li in enumerate(self.cfg.kda_layers)}
+        X = None
+        for p in self.cfg.layers:
+            L = self.layer_kernels.get(p.index)
+            if L is None:
+                if X is None:
+                    X = self.ref.embed(tokens)
+                X = self.ref.layer_step(caches, p.index, X, positions)
+                continue
+            j = kda_index[p.index]
+            state, window = caches.kda_state[0:1, j], caches.conv_window[0:1, j]   # views: committed in place
+            inp = tokens if p.launch == "embed" else X
+            if self.hooks:   # the reference's own step of this layer, on a copy of the caches before the launch
+                ref_in = self.ref.embed(tokens) if p.launch == "embed" else X
+                ref_out = self.ref.layer_step(caches.clone(), p.index, ref_in, positions)
+            X = self._launch(p.launch, L, lambda site, L=L, inp=inp: L.run(inp, state, window, inject_fault=site),
+                             fault, faults)
+            for hook in self.hooks:
+                hook(p.launch, L, {"X": X}, {"X": ref_out})
+        caches.lengths[0] += 1
+        return X
+
     def generate(self, prompt: list[int], max_new_tokens: int, inject_fault: str | None = None) -> GenerateResult:
         fault = parse_fault(inject_fault)
         if fault is not None:
-            from .launches import sites
             if fault[0] not in self.kernels:
                 raise ValueError(f"--inject-fault {inject_fault}: launch kind {fault[0]!r} does not run as a "
                                  f"kernel here (kernel kinds: {sorted(self.kernels) or 'none'})")
-            if fault[1] not in sites(fault[0]):
+            names = list(self.kernels[fault[0]].sites)
+            if fault[1] not in names:
                 raise ValueError(f"--inject-fault {inject_fault}: {fault[0]} has no wait site {fault[1]!r}; "
-                                 f"sites: {sites(fault[0])}")
+                                 f"sites: {names}")
         self._check_prompt(prompt, max_new_tokens)
         caches = self.ref.new_caches(1, self.max_len)
         faults: list[str] = []

@@ -9,19 +9,27 @@ from glm53_flash.runner import Runner
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory):
+def ckpt_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("chk") / "tiny"
     make_random_checkpoint(preset("tiny"), d, seed=5, progress=False)
-    return Runner(str(d))
+    return str(d)
 
 
-def test_clean_decode_has_no_violations(runner):
+@pytest.fixture(scope="module")
+def runner(ckpt_dir):
+    return Runner(ckpt_dir, kinds=["tail"])
+
+
+def test_clean_decode_has_no_violations(ckpt_dir):
+    r = Runner(ckpt_dir)                       # every launch kind the runner drives
     c = check.MonoCheck()
-    runner.hooks[:] = [check.hook(c)]
-    runner.generate([3, 17, 42], 2)
-    assert c.checks > 10 and c.violations == []
-    assert "0 violations" in c.report() and "tail" in c.report()
-    assert all(m.rel_err < 1e-3 for m in c.metrics)
+    r.hooks.append(check.hook(c))
+    r.generate([3, 17], 1)
+    assert c.checks > 50 and c.violations == [], c.violations
+    rep = c.report()
+    assert "0 violations" in rep and all(k in rep for k in ("embed", "dense", "kda", "tail"))
+    for m in c.metrics:                        # bf16 hand-offs in the layers, fp32-exact tail
+        assert m.rel_err < (1e-3 if m.launch == "tail" else 1e-2), m
 
 
 def test_planted_faults_are_counted(runner):

@@ -29,9 +29,11 @@ def test_make_checkpoint_layout(tiny_dir):
     assert sum(f.endswith(".safetensors") for f in files) >= 3
 
 
-def _generate_json(tiny_dir, capsys, *extra):
-    rc = main(["generate", "--checkpoint", str(tiny_dir), "--prompt", "3,17,42,5", "--max-new-tokens", "3",
-               "--json", *extra])
+def _generate_json(tiny_dir, capsys, *extra, prompt="3,17,42,5", n=3):
+    # the tail alone as a kernel by default: every layer launch under the interpreter costs ~1 s a step
+    kernels = [] if "--kernels" in extra or "--path" in extra else ["--kernels", "tail"]
+    rc = main(["generate", "--checkpoint", str(tiny_dir), "--prompt", prompt, "--max-new-tokens", str(n),
+               "--json", *kernels, *extra])
     assert rc == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     return json.loads(line)
@@ -80,22 +82,43 @@ def test_inject_fault_retries_and_matches(tiny_dir, capsys):
     clean = _generate_json(tiny_dir, capsys)
     for site in sites("tail"):
         rc = main(["generate", "--checkpoint", str(tiny_dir), "--prompt", "3,17,42,5", "--max-new-tokens", "3",
-                   "--json", "--inject-fault", f"tail:{site}"])
+                   "--json", "--kernels", "tail", "--inject-fault", f"tail:{site}"])
         cap = capsys.readouterr()
         assert rc == 0
         assert "HandoffTimeout" in cap.err and site in cap.err
         assert json.loads(cap.out.strip().splitlines()[-1])["tokens"] == clean["tokens"]
 
 
+def test_all_layer_kernels_match_reference_and_survive_a_fault(tiny_dir, capsys):
+    """embed, dense and kda layers + the tail as kernels (sparse on the reference); a fault in the first
+    dense launch is reported, the launch retried, and the tokens equal the reference path's."""
+    ref = _generate_json(tiny_dir, capsys, "--path", "reference", prompt="3,17", n=2)
+    rc = main(["generate", "--checkpoint", str(tiny_dir), "--prompt", "3,17", "--max-new-tokens", "2", "--json",
+               "--kernels", "embed,dense,kda,tail", "--inject-fault", "dense:dense.a_in"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    assert "HandoffTimeout" in cap.err and "dense.a_in" in cap.err
+    out = json.loads(cap.out.strip().splitlines()[-1])
+    assert out["tokens"] == ref["tokens"]
+    for (i1, v1), (i2, v2) in zip(out["last_logits_top5"], ref["last_logits_top5"]):
+        assert i1 == i2 and abs(v1 - v2) <= 5e-2 * max(1.0, abs(v2))
+
+
+def test_unknown_kernel_kind(tiny_dir, capsys):
+    rc = main(["generate", "--checkpoint", str(tiny_dir), "--prompt", "3", "--max-new-tokens", "1",
+               "--kernels", "tail,warp"])
+    assert rc == 2 and "warp" in capsys.readouterr().err
+
+
 def test_inject_fault_unknown_site(tiny_dir, capsys):
     rc = main(["generate", "--checkpoint", str(tiny_dir), "--prompt", "3", "--max-new-tokens", "1",
-               "--inject-fault", "tail:no_such_site"])
+               "--kernels", "tail", "--inject-fault", "tail:no_such_site"])
     assert rc == 2
     assert "no_such_site" in capsys.readouterr().err
 
 
 def test_demo(tiny_dir, capsys):
-    rc = main(["demo", "--checkpoint", str(tiny_dir), "--max-new-tokens", "3"])
+    rc = main(["demo", "--checkpoint", str(tiny_dir), "--max-new-tokens", "3", "--kernels", "tail"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "decode agrees with prefill: yes" in out and "tokens/s" in out
