@@ -12,7 +12,7 @@ import sys
 import time
 
 DEFAULT_DEMO_DIR = os.path.join("checkpoints", "tiny")
-DEFAULT_DEMO_PROMPT = "3,17,42,7,99,256,511,12,800,64,5,1000"
+DEFAULT_DEMO_PROMPT = "3,17,42,7,99,256,511,12"
 
 
 def _prompt(s: str) -> list[int]:
@@ -151,17 +151,20 @@ def cmd_demo(a) -> int:
     pre = r.ref.prefill(torch.tensor(prompt, dtype=torch.long, device=a.device))
     t_pre = time.perf_counter() - t0
     res = r.generate(prompt, a.max_new_tokens, inject_fault=a.inject_fault)
-    diff = float((res.prompt_logits - pre.logits.cpu()).abs().max())
-    scale = float(pre.logits.abs().max())
-    same_next = int(pre.logits[-1].argmax()) == res.tokens[0]
-    agree = diff <= 1e-3 * max(1.0, scale) and same_next
+    # the launches hand bf16 rows between stages (DESIGN.md §7): agreement = the per-launch gate on the
+    # logits (relative error <= 1e-2) and the same greedy token after the prompt
+    ref_logits = pre.logits.cpu()
+    diff = float((res.prompt_logits - ref_logits).abs().max())
+    rel = float((res.prompt_logits - ref_logits).norm() / ref_logits.norm())
+    same_next = int(ref_logits[-1].argmax()) == res.tokens[0]
+    agree = rel <= 1e-2 and same_next
     steps = max(1, a.max_new_tokens - 1)
     tps = steps / res.seconds if res.seconds > 0 else float("inf")
     print(f"prompt ({len(prompt)} tokens): {','.join(map(str, prompt))}   prefill {t_pre:.2f} s")
     print(f"generated: {','.join(map(str, res.tokens))}")
     print(f"decode: {tps:.2f} tokens/s on {a.device}")
-    print(f"decode agrees with prefill: {'yes' if agree else 'NO'} "
-          f"(max |logit diff| {diff:.2e} over the prompt, logit scale {scale:.2f}; same next token: {same_next})")
+    print(f"decode agrees with prefill: {'yes' if agree else 'NO'} (relative logit error {rel:.1e} over the "
+          f"prompt, max |diff| {diff:.2e}; same next token: {same_next})")
     if res.faults:
         print(f"faults seen and retried: {len(res.faults)}")
     return 0 if agree else 1

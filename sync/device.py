@@ -125,6 +125,18 @@ def publish_pairs(ptr, payload, tag, mask, site, fault_site):
 
 # ---------------------------------------------------------------------- acquire side
 @triton.jit
+def staggered_budget(budget_ns, site):
+    """The spin budget of wait site `site`: budget * (1 + site / 16).
+
+    Sites are numbered in schedule order, so a stalled hand-off's direct consumers wait at a lower
+    site than the consumers further downstream, which stall only because of it. Every waiter starts
+    at about the same time, so without the stagger whichever CTA's clock ran out first claimed the
+    error record, often a downstream one (seen on the H200: a fault at dense.hp1 reported dense.a_in).
+    With it the waiter at the stalled site times out first, records the site, and aborts the rest."""
+    return budget_ns + site * (budget_ns >> 4)
+
+
+@triton.jit
 def _load_pairs(ptr, mask):
     if in_interpreter():
         w = tl.atomic_add(ptr, tl.zeros(ptr.shape, tl.int64), mask=mask, sem="acquire", scope="gpu")
@@ -138,6 +150,7 @@ def await_pairs(ptr, mask, tag, hdr, site, cta, budget_ns):
     """Wait until every masked pair word (1-D tensor of int64 pointers) carries `tag`.
 
     -> (payload int32 tensor (bits; bitcast as needed), ok). ok=0: timed out or the launch aborted."""
+    budget_ns = staggered_budget(budget_ns, site)
     w = _load_pairs(ptr, mask)
     pend = mask & ((w & TAG_MASK).to(tl.int32) != tag)
     if not in_interpreter():
@@ -185,6 +198,7 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns)
     One thread polls the block (all 128-byte lines, relaxed vector loads, one fence), then a CTA
     barrier; the CTA then re-reads the words with L1-bypassing loads to agree on the outcome."""
     block = box + consumer * block_words
+    budget_ns = staggered_budget(budget_ns, site)
     if not in_interpreter():
         if tid_x() == 0:
             _spin_box(block, n_prod, tag, hdr + H_ABORT, budget_ns)
