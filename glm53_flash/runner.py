@@ -19,8 +19,10 @@ from .reference.model import ReferenceModel
 
 
 # launch kinds this runner drives as kernels when they exist (the rest of a step runs on the reference)
-DRIVEN_KINDS = ("tail", "embed", "dense", "kda")
-LAYER_KINDS = ("embed", "dense", "kda")
+DRIVEN_KINDS = ("tail", "embed", "dense", "kda", "sparse")
+# run as kernels unless `kinds` says otherwise: the kinds whose launches passed their GPU tests (the
+# sparse launch is checked on the CPU only so far, so it runs as a kernel only when asked for)
+DEFAULT_KINDS = ("tail", "embed", "dense", "kda")
 
 
 @dataclass
@@ -75,10 +77,13 @@ class Runner:
             if undriven:
                 raise ValueError(f"kernels {undriven} exist but the runner does not drive them yet; "
                                  f"it drives {list(DRIVEN_KINDS)}")
-            driven = [k for k in available() if k in DRIVEN_KINDS and (kinds is None or k in kinds)]
+            wanted = DEFAULT_KINDS if kinds is None else kinds
+            driven = [k for k in available() if k in DRIVEN_KINDS and k in wanted]
             for p in self.cfg.layers:
                 if p.launch in driven:
-                    self.layer_kernels[p.index] = build_launch(p.launch, self.ckpt, device=device, layer=p.index)
+                    extra = dict(max_len=max_len) if p.launch == "sparse" else {}
+                    self.layer_kernels[p.index] = build_launch(p.launch, self.ckpt, device=device, layer=p.index,
+                                                               **extra)
                     self.kernels.setdefault(p.launch, self.layer_kernels[p.index])
             if "tail" in driven:
                 self.kernels["tail"] = build_launch("tail", self.ckpt, device=device)
@@ -136,6 +141,7 @@ class Runner:
         advanced at the end (as ReferenceModel.decode_trunk). Each launch commits its layer's KDA state
         only after a clean run, so a retried launch sees the state as it was."""
         kda_index = {li: j for j, li in enumerate(self.cfg.kda_layers)}
+        dsa_index = {li: d for d, li in enumerate(self.cfg.dsa_layers)}
         X = None
         for p in self.cfg.layers:
             L = self.layer_kernels.get(p.index)
@@ -144,14 +150,21 @@ class Runner:
                     X = self.ref.embed(tokens)
                 X = self.ref.layer_step(caches, p.index, X, positions)
                 continue
-            j = kda_index[p.index]
-            state, window = caches.kda_state[0:1, j], caches.conv_window[0:1, j]   # views: committed in place
-            inp = tokens if p.launch == "embed" else X
+            if p.launch == "sparse":       # latent / pool-key / tail-row caches of this DSA layer, in place
+                from .launches.sparse import layer_caches
+                lat, pk, tr = layer_caches(caches, dsa_index[p.index])
+                run = (lambda site, L=L, X=X, lat=lat, pk=pk, tr=tr:
+                       L.run(X, lat, pk, tr, positions, inject_fault=site))
+            else:
+                j = kda_index[p.index]
+                state, window = caches.kda_state[0:1, j], caches.conv_window[0:1, j]   # views: committed in place
+                inp = tokens if p.launch == "embed" else X
+                run = (lambda site, L=L, inp=inp, state=state, window=window:
+                       L.run(inp, state, window, inject_fault=site))
             if self.hooks:   # the reference's own step of this layer, on a copy of the caches before the launch
                 ref_in = self.ref.embed(tokens) if p.launch == "embed" else X
                 ref_out = self.ref.layer_step(caches.clone(), p.index, ref_in, positions)
-            X = self._launch(p.launch, L, lambda site, L=L, inp=inp: L.run(inp, state, window, inject_fault=site),
-                             fault, faults)
+            X = self._launch(p.launch, L, run, fault, faults)
             for hook in self.hooks:
                 hook(p.launch, L, {"X": X}, {"X": ref_out})
         caches.lengths[0] += 1

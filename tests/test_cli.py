@@ -90,11 +90,11 @@ def test_inject_fault_retries_and_matches(tiny_dir, capsys):
 
 
 def test_all_layer_kernels_match_reference_and_survive_a_fault(tiny_dir, capsys):
-    """embed, dense and kda layers + the tail as kernels (sparse on the reference); a fault in the first
-    dense launch is reported, the launch retried, and the tokens equal the reference path's."""
+    """Every layer kind + the tail as kernels; a fault in the first dense launch is reported, the launch
+    retried, and the tokens equal the reference path's."""
     ref = _generate_json(tiny_dir, capsys, "--path", "reference", prompt="3,17", n=2)
     rc = main(["generate", "--checkpoint", str(tiny_dir), "--prompt", "3,17", "--max-new-tokens", "2", "--json",
-               "--kernels", "embed,dense,kda,tail", "--inject-fault", "dense:dense.a_in"])
+               "--kernels", "embed,dense,kda,sparse,tail", "--inject-fault", "dense:dense.a_in"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     assert "HandoffTimeout" in cap.err and "dense.a_in" in cap.err
@@ -102,6 +102,13 @@ def test_all_layer_kernels_match_reference_and_survive_a_fault(tiny_dir, capsys)
     assert out["tokens"] == ref["tokens"]
     for (i1, v1), (i2, v2) in zip(out["last_logits_top5"], ref["last_logits_top5"]):
         assert i1 == i2 and abs(v1 - v2) <= 5e-2 * max(1.0, abs(v2))
+
+
+def test_default_kernels_are_the_gpu_checked_kinds(tiny_dir):
+    from glm53_flash.runner import DEFAULT_KINDS, Runner
+    r = Runner(str(tiny_dir))
+    assert set(r.kernels) == set(DEFAULT_KINDS) and "sparse" not in r.kernels
+    assert r.paths["sparse"] == "reference" and r.paths["kda"] == "kernel"
 
 
 def test_unknown_kernel_kind(tiny_dir, capsys):
