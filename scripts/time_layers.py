@@ -7,9 +7,22 @@ them so the 60 MB L2 never holds a weight. Each case is captured once as a CUDA 
 launches; windows of all cases are interleaved and the median per-launch time is reported.
 
 Kinds: `gemv` times the GEMVs of one rank (our GEMV family beside cuBLAS); `tail` times the tail launch
-(glm53_flash/launches/tail.py, one rank, loopback for TP > 1) beside the same math as torch ops. A
-kind is a builder returning [BenchCase] (name, one callable per weight copy, bytes read); later kinds
-(model, step, embed, dense, kda, sparse, nextn) plug in the same way.
+(glm53_flash/launches/tail.py); `embed`, `dense`, `kda`, `sparse`, `nextn` time one layer launch of that
+kind (rank 0; TP > 1 in loopback mode, the other ranks' partial sums read as zeros) built from random rank
+weights made on the GPU (scripts/layer_baselines.py `RankSource`), beside the same layer as torch ops
+(bf16 weights, cuBLAS GEMVs, the reference's fp32 math between them, MoE through torch._grouped_mm or a
+gather) in a CUDA graph, interleaved in the same windows; `step` times embed, dense, kda, sparse and tail
+in turn and sums them over one decode step's launch plan beside the sum of floors (or, with --from, sums
+the JSON lines of earlier per-kind runs). A kind is a builder
+returning [BenchCase] (name, one callable per weight copy, bytes read).
+
+Layer kinds rotate over as many weight copies as fit (3x the L2 in bytes read); when only one fits, every
+launch is preceded by a pure read over 3x the L2 and that read, timed alone in the same windows, is
+subtracted (the card says which: timing=rotate|flush). The floor counts the bytes one launch must read
+(layer_baselines.launch_bytes): this rank's weights, the routed experts actually chosen (distinct ids of
+the baseline's routing of the same rows), KDA state and conv window read + written, DSA latent rows
+selected, pooled keys scored, activations. `--dry-run` builds everything at the tiny preset on the CPU
+(TRITON_INTERPRET=1), runs each launch once against its baseline and prints the accounting, untimed.
 
 Output: a header card, a table (us, floor us, % of floor, GB/s), then one JSON line.
 The timing helpers (read bandwidth, interleaved graph timing, card) are reused by bench_gemv.py.
@@ -29,13 +42,16 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))      # layer_baselines
+if "--dry-run" in sys.argv[1:]:          # the interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch                     # noqa: E402
 import triton                    # noqa: E402
 import triton.language as tl     # noqa: E402
 
 L2_BYTES = 60 * 2 ** 20          # H200; read from the device when available
-LATER_KINDS = ("model", "step", "embed", "dense", "kda", "sparse", "nextn")
+DEVICE = "cuda"                  # where timed runs build (tests set "cpu" to walk the timed path under the interpreter)
 
 
 @dataclass
@@ -130,7 +146,7 @@ def env_card() -> dict:
 
 
 def report(title: str, card: dict, bw: float, cases: list[BenchCase], us: dict[str, float],
-           extra_cols: tuple[str, ...] = (), extra: dict | None = None) -> dict:
+           extra_cols: tuple[str, ...] = (), extra: dict | None = None, notes=(), post=()) -> dict:
     """Print the header card and the table; return the JSON record (also printed, last line)."""
     judged = [c for c in cases if c.floor]
     total_bytes = sum(c.bytes_read for c in judged)
@@ -140,6 +156,8 @@ def report(title: str, card: dict, bw: float, cases: list[BenchCase], us: dict[s
     print(f"   {'read bw':10s} {bw / 1e12:.3f} TB/s (best pure-read kernel, same run)")
     print(f"   {'bytes':10s} {total_bytes / 1e6:.1f} MB over {len(judged)} judged cases; floor "
           f"{total_bytes / bw * 1e6:.1f} us")
+    for line in notes:                       # per-launch byte accounting (layer kinds)
+        print(line)
     hdr = f"{'case':44s} {'us':>9s} {'floor us':>9s} {'% floor':>8s} {'GB/s':>8s}"
     for col in extra_cols:
         hdr += f" {col:>12s}"
@@ -155,7 +173,9 @@ def report(title: str, card: dict, bw: float, cases: list[BenchCase], us: dict[s
         rows.append({"case": c.name, "us": round(t, 3), "floor_us": round(floor, 3),
                      "pct_floor": round(100 * floor / t, 1), "gbps": round(c.bytes_read / t / 1e3, 1),
                      "bytes": c.bytes_read, "judged": c.floor, **c.info})
-    rec = {"title": title, **card, "read_bw_tbps": round(bw / 1e12, 4), "bytes": total_bytes,
+    for line in post:                        # e.g. the step summary; the JSON line stays last
+        print(line)
+    rec = {"title": title, **card, "width": card.get("rows"), "read_bw_tbps": round(bw / 1e12, 4), "bytes": total_bytes,
            "floor_us": round(total_bytes / bw * 1e6, 3), "rows": rows, **(extra or {})}
     print(json.dumps(rec, default=str))
     return rec
@@ -272,52 +292,302 @@ def build_tail(cfg, tp: int, rows: int, weights: str, device: str, opts: dict | 
     return cases
 
 
-KINDS = {"gemv": build_gemv, "tail": build_tail}
+# ------------------------------------------------------------------- kinds: embed dense kda sparse nextn
+def _flush_fn(device: str):
+    """A pure read over 3x the L2 (clean lines: no write-backs land in the timed launch)."""
+    buf = torch.ones(3 * L2_BYTES // 4 // 2 ** 15 * 2 ** 15, dtype=torch.int32, device=device)
+    out = torch.empty(buf.numel() // 2 ** 12, dtype=torch.int32, device=device)
+    return lambda: _read_kernel[(buf.numel() // 2 ** 15,)](buf, out, 2 ** 15, BLOCK=2048, num_warps=8)
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def build_layer(kind: str, cfg, tp: int, rows: int, weights: str, device: str, opts: dict | None = None):
+    """One layer launch of `kind` (launches/{embed,dense,kda,sparse,nextn}.py, TP rank 0, loopback for TP > 1)
+    over rotated copies of random rank weights made on the device, beside the same layer as torch ops.
+    Returns (cases, accounting dict)."""
+    import layer_baselines as lb
+    from glm53_flash.launches.dense import DenseLaunch
+    from glm53_flash.launches.embed import EmbedLaunch
+    from glm53_flash.launches.kda import KdaLaunch
+    from glm53_flash.launches.nextn import NextnLaunch
+    from glm53_flash.launches.sparse import SparseLaunch
+    o = dict(opts or {})
+    pos, dry = o.get("pos", 4095), o.get("dry", device == "cpu")
+    fmt, H = weights, cfg.hidden_size
+    est = sum(lb.launch_bytes(kind, cfg, tp, rows, fmt, pos).values())
+    res = lb.resident_bytes(cfg, kind, tp, fmt)
+    if dry:
+        copies = 1
+    else:
+        free = torch.cuda.mem_get_info()[0]
+        per = res * (3 if fmt == "bf16" else 2)          # launch banks + baseline banks + pieces while packing
+        copies = max(1, min(copies_for(est), o.get("max_copies") or 64, int(0.8 * free) // max(per, 1)))
+    mode = "none (dry run)" if dry else ("rotate" if copies >= 2 else "flush")
+    moe_mode = "grouped"                                # falls back to gather if it fails or disagrees
+    pos_max = -(-(pos + 2) // cfg.index_kpool) * cfg.index_kpool
+    cls = {"embed": EmbedLaunch, "dense": DenseLaunch, "kda": KdaLaunch, "sparse": SparseLaunch,
+           "nextn": NextnLaunch}[kind]
+    layer = lb.layer_of(cfg, kind)
+    lkw = {k: v for k, v in o.items() if k in ("grid", "num_warps", "block_n", "num_stages") and v is not None}
+    launches, bases, fns, bfns = [], [], [], []
+    info: dict = {"fmt": fmt, "copies": copies, "timing": mode}
+    n_routed, err = None, {}
+    for c in range(copies):
+        torch.manual_seed(c)
+        src = lb.RankSource(cfg, 0, tp, fmt, device, seed=c)
+        kw = dict(tp_rank=0, tp_size=tp, width=rows, device=device, **lkw)
+        if kind in ("sparse", "nextn"):
+            kw["max_len"] = pos_max
+        L = cls(cfg, src, layer, **kw) if kind != "nextn" else cls(cfg, src, **kw)
+        base = None
+        if fmt == "bf16" or dry:
+            base = (lb.DsaBaseline(src, cfg, kind, pos, moe_mode) if kind in ("sparse", "nextn")
+                    else lb.KdaLayerBaseline(src, cfg, kind, rows, moe_mode))
+        src.release()
+        if kind in ("embed", "dense", "kda"):
+            nh, d = cfg.linear_num_heads // tp, cfg.linear_head_dim
+            S = 0.1 * torch.randn(rows, nh, d, d, device=device)
+            win = torch.randn(rows, cfg.linear_conv_kernel_dim - 1, 3 * nh * d, device=device)
+            X = (torch.randint(0, cfg.vocab_size, (rows,), device=device) if kind == "embed"
+                 else torch.randn(rows, cfg.hc_mult, H, device=device))
+            ref = base(X, S, win) if base is not None else None
+            if c == 0 and ref is not None:
+                S_ref, W_ref = base.S_out[:rows].clone(), base.W_out[:rows].clone()
+            out = L.run(X, S, win)                             # checked launch (commits S, win)
+            if c == 0 and ref is not None:
+                err = {"err": _rel(out, ref), "err_state": _rel(S, S_ref), "err_win": _rel(win, W_ref)}
+            args = (X, S, win)
+        else:
+            S_ = rows                                          # one cache slot per row; filled up to pos
+            lat = torch.randn(S_, pos_max, cfg.kv_lora_rank, device=device).bfloat16()
+            pk = torch.randn(S_, pos_max // cfg.index_kpool, cfg.index_head_dim, device=device).bfloat16()
+            tr = torch.randn(S_, cfg.index_kpool, 2 * cfg.index_head_dim, device=device)
+            positions = torch.full((rows,), pos, dtype=torch.int32)
+            if kind == "sparse":
+                X = torch.randn(rows, cfg.hc_mult, H, device=device)
+                ref = base(X, lat, pk, tr) if base is not None else None
+                out = L.run(X, lat, pk, tr, positions)
+                args = (X, lat, pk, tr)
+            else:
+                X = torch.randn(rows, H, device=device)
+                tok = torch.randint(0, cfg.vocab_size, (rows,), device=device)
+                ref = base(X, lat, pk, tr, tok) if base is not None else None
+                logits, tokens, n = L.run(X, tok, lat, pk, tr, positions)
+                out = n
+                if ref is not None:
+                    ref = ops_rms(ref[0], base.shn, cfg.rms_norm_eps)
+                args = (X, lat, pk, tr, tok)
+            if c == 0 and ref is not None:
+                err = {"err": _rel(out, ref)}
+        if c == 0 and base is not None and base.ffn.idx is not None:
+            n_routed = int(torch.unique(base.ffn.idx.reshape(-1)).numel())
+        launches.append(L)
+        if base is not None:
+            bases.append(base)
+            bfns.append(lambda b=base, a=args: b(*a))
+        if kind == "nextn":
+            fns.append(lambda L=L: (L.enqueue(), L.tail_launch.enqueue()))
+        else:
+            fns.append(lambda L=L: L.enqueue())
+    source = "distinct ids of the baseline's routing"
+    if n_routed is None and kind in ("kda", "sparse", "nextn"):    # fp8: no baseline; rows x top-k bounds it
+        n_routed = min(rows * cfg.num_experts_per_tok, cfg.n_routed_experts)
+        source = "rows x top-k: exact for 1 row, an upper bound for more"
+    acct = lb.launch_bytes(kind, cfg, tp, rows, fmt, pos, n_routed)
+    nbytes = sum(acct.values())
+    L0 = launches[0]
+    info.update({"grid": L0.grid, "warps": L0.num_warps, "block_n": L0.block_n,
+                 **{k: f"{v:.1e}" for k, v in err.items()}})
+    if base is not None and getattr(bases[0].ffn, "mode", None):
+        info["moe"] = bases[0].ffn.mode
+    label = f"{kind} launch tp{tp} rows{rows} {fmt}" + (" + draft tail" if kind == "nextn" else "")
+    cases = []
+    if mode == "flush" and not dry:
+        flush = _flush_fn(device)
+        cases.append(BenchCase(f"  {kind}: L2 flush alone (subtracted)", [flush], 3 * L2_BYTES, {}, floor=False))
+        fns = [lambda f=f: (flush(), f()) for f in fns]
+        bfns = [lambda f=f: (flush(), f()) for f in bfns]
+        info["minus"] = cases[0].name
+    cases.insert(0, BenchCase(label, fns, nbytes, info))
+    if kind == "nextn":
+        nb = sum(lb.launch_bytes(kind, cfg, tp, rows, fmt, pos, n_routed, logits=False).values())
+        f2 = [lambda L=L: L.enqueue() for L in launches]
+        if mode == "flush" and not dry:
+            f2 = [lambda L=L: (flush(), L.enqueue()) for L in launches]
+        cases.insert(1, BenchCase("  nextn block only (no draft logits)", f2, nb, dict(info), floor=False))
+    if bfns:
+        moe = f", MoE {bases[0].ffn.mode}" if getattr(bases[0].ffn, "mode", None) else ""
+        cases.insert(1 + (kind == "nextn"), BenchCase(f"  torch ops {kind} (cuBLAS bf16{moe})", bfns, nbytes,
+                                                      {"fmt": "bf16", "minus": info.get("minus")}, floor=False))
+    return cases, {"bytes": acct, "n_routed": n_routed, "n_routed_source": source if n_routed is not None else None,
+                   "copies": copies, "timing": mode,
+                   "resident_mb_per_copy": round(res / 1e6, 1), "pos": pos if kind in ("sparse", "nextn") else None}
+
+
+def ops_rms(x, w, eps):
+    from glm53_flash.reference import ops
+    return ops.rms_norm(x, w, eps)
+
+
+STEP_KINDS = ("embed", "dense", "kda", "sparse", "tail")
+KINDS = {"gemv": build_gemv, "tail": build_tail, "embed": None, "dense": None, "kda": None, "sparse": None,
+         "nextn": None, "step": None}
+
+
+def build_kind(kind, cfg, args, device):
+    if kind == "tail":
+        opts = dict(num_warps=args.num_warps, block_n=args.block_n, block_k=args.block_k, num_stages=args.num_stages,
+                    grid=(args.ctas_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+                          if args.ctas_per_sm and device != "cpu" else None))
+        cases = build_tail(cfg, args.tp, args.rows, args.weights, device, opts)
+        return cases, {"bytes": {"lm_head + norm + X": cases[0].bytes_read}, "copies": len(cases[0].fns),
+                       "timing": "rotate"}
+    opts = dict(pos=args.pos, dry=args.dry_run, max_copies=args.max_copies, num_warps=args.num_warps,
+                block_n=args.block_n,
+                num_stages=args.num_stages)
+    return build_layer(kind, cfg, args.tp, args.rows, args.weights, device, opts)
+
+
+def apply_minus(cases, us):
+    """Flush mode: each case's time minus the flush-only case's (same interleaved windows)."""
+    for c in cases:
+        m = c.info.get("minus")
+        if m and c.name != m:
+            us[c.name] = max(us[c.name] - us[m], 1e-3)
+    return us
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Needs a CUDA GPU. Later kinds: " + ", ".join(LATER_KINDS) + " (not built yet).")
+                                 epilog="Needs a CUDA GPU, except with --dry-run. Per kind, one call takes ~30-60 s; "
+                                        "--kind step runs embed, dense, kda, sparse and tail in turn.")
     ap.add_argument("--kind", choices=sorted(KINDS), default="gemv",
-                    help="launch kind: gemv = the GEMVs of one rank (our family beside cuBLAS); "
-                         "tail = the tail launch (mean of streams, RMSNorm, lm_head, argmax) beside torch ops")
+                    help="gemv = the GEMVs of one rank (our family beside cuBLAS); tail = the tail launch; "
+                         "embed / dense / kda = the KDA layer launches (layer 0 with the token gather, a dense-MLP "
+                         "layer, a MoE layer); sparse = a DSA + MoE layer; nextn = the MTP block + its draft-logits "
+                         "tail; step = every kind of one decode step's launch plan (embed, 2 dense, 31 kda, "
+                         "11 sparse, tail: 46 launches) timed in turn and summed beside the sum of floors")
     ap.add_argument("--tp", type=int, choices=(1, 2, 4, 8), default=1,
-                    help="tensor-parallel degree: time one rank's shapes (heads/rows split by TP)")
+                    help="tensor-parallel degree: time rank 0's shapes (heads/rows split by TP); TP > 1 runs the "
+                         "launch in loopback mode (the other ranks' partial sums read as zeros)")
     ap.add_argument("--rows", type=int, choices=(1, 2, 4, 8), default=1,
-                    help="batch width: activation rows per launch")
+                    help="batch width: activation rows (decode tokens) per launch")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
-                    help="weight format: fp8 = e4m3 + 128x128 block scales for the tensors the vendor ships "
-                         "in FP8 (gemv: KDA and lm_head stay bf16; tail: the lm_head itself in FP8)")
-    ap.add_argument("--preset", default="glm53-flash", help="model preset for the shapes (default glm53-flash)")
+                    help="weight format: fp8 = e4m3 + 128x128 block scales for the tensors the vendor ships in FP8 "
+                         "(dense MLP, experts, DSA q_a/kv_a/q_b/o_proj; KDA, kv_b, router, indexer stay bf16/fp32; "
+                         "tail: lm_head itself in FP8). The torch baseline is timed for bf16 only")
+    ap.add_argument("--preset", default=None,
+                    help="model preset for the shapes (default glm53-flash; tiny with --dry-run)")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="MoE kinds: routed experts built per layer (default: the preset's, 288). Routing reads only "
+                         "top-8 per row, so fewer fit more weight copies; the floor counts only the experts chosen")
+    ap.add_argument("--pos", type=int, default=None,
+                    help="sparse / nextn: the rows' context position P; caches hold random values up to P "
+                         "(default 4095, 27 in a tiny dry run; the indexer scores and selects (sparse regime) "
+                         "when P >= 2051, at the tiny preset when P >= 19)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU only: build every launch and baseline at the tiny preset under TRITON_INTERPRET=1, run "
+                         "each once (error vs the baseline), print the byte / floor accounting (floor at the "
+                         "nominal 4.48 TB/s), no timing")
+    ap.add_argument("--from", dest="from_json", nargs="+", metavar="FILE", default=None,
+                    help="--kind step only: sum the step from the JSON lines of earlier per-kind runs (outputs of "
+                         "--kind embed / dense / kda / sparse / tail) instead of timing; needs no GPU")
+    ap.add_argument("--max-copies", type=int, default=None,
+                    help="layer kinds: at most this many weight copies (1 = one copy, L2 flushed between launches)")
     ap.add_argument("--reps", type=int, default=16, help="launches per timed CUDA graph (rotating weight copies)")
     ap.add_argument("--windows", type=int, default=15, help="interleaved timing windows; the median is reported")
-    ap.add_argument("--num-warps", type=int, default=None, help="tail: warps per CTA (default: the launch's)")
-    ap.add_argument("--block-n", type=int, default=None, help="tail: lm_head rows per GEMV tile (default: the launch's)")
+    ap.add_argument("--num-warps", type=int, default=None,
+                    help="tail / layer kinds: warps per CTA (default: the launch's)")
+    ap.add_argument("--block-n", type=int, default=None, help="tail / layer kinds: GEMV rows per tile")
     ap.add_argument("--block-k", type=int, default=None, help="tail: K chunk per pipelined GEMV step")
-    ap.add_argument("--num-stages", type=int, default=None, help="tail: GEMV software-pipeline depth")
+    ap.add_argument("--num-stages", type=int, default=None, help="tail / layer kinds: GEMV software-pipeline depth")
     ap.add_argument("--ctas-per-sm", type=int, default=None,
                     help="tail: persistent grid = this many CTAs per SM (default: the launch's)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("time_layers.py needs a CUDA GPU", file=sys.stderr)
+    dry = args.dry_run
+    import layer_baselines as lb
+    if args.from_json:
+        if args.kind != "step":
+            ap.error("--from goes with --kind step")
+        from glm53_flash.config import preset
+        cfg = preset(args.preset or "glm53-flash")
+        per, post = lb.per_kind_from_json(args.from_json, STEP_KINDS), []
+        rec = {"title": "time_layers --kind step --from", "files": args.from_json,
+               "step": lb.step_summary(cfg, per, STEP_KINDS, post),
+               "per_kind": {k: {kk: v[kk] for kk in ("us", "floor_us", "torch_us", "bytes", "source")}
+                            for k, v in per.items()}}
+        print("\n".join(post))
+        print(json.dumps(rec, default=str))
+        return 0
+    if not dry and not torch.cuda.is_available():
+        print("time_layers.py needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+        return 2
+    if dry and args.kind == "gemv":
+        print("--dry-run covers the launch kinds, not gemv", file=sys.stderr)
         return 2
     from glm53_flash.config import preset
-    cfg = preset(args.preset)
+    cfg = preset(args.preset or ("tiny" if dry else "glm53-flash"))
+    if args.experts:
+        cfg = cfg.replace(n_routed_experts=args.experts)
+    if args.pos is None:
+        args.pos = 4095 if cfg.max_position_embeddings > 4096 or not dry else 27
     cfg.check_tp(args.tp)
-    bw, bw_detail = measure_read_bw()
-    if args.kind == "tail":
-        opts = dict(num_warps=args.num_warps, block_n=args.block_n, block_k=args.block_k, num_stages=args.num_stages,
-                    grid=(args.ctas_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
-                          if args.ctas_per_sm else None))
-        cases = build_tail(cfg, args.tp, args.rows, args.weights, "cuda", opts)
+    device = "cpu" if dry else DEVICE
+    if dry:
+        torch.set_num_threads(1)
+        bw, bw_detail = 4.48e12, "nominal (DESIGN.md §8), not measured"
+        card = {"mode": "dry run (CPU, TRITON_INTERPRET=1, no timing)", "torch": torch.__version__,
+                "triton": triton.__version__}
     else:
-        cases = KINDS[args.kind](cfg, args.tp, args.rows, args.weights, "cuda")
-    us = time_interleaved(cases, args.reps, args.windows)
-    card = {**env_card(), "kind": args.kind, "tp": args.tp, "rows": args.rows, "weights": args.weights,
-            "preset": args.preset, "read_kernels_gbps": bw_detail}
-    cols = ("fmt", "grid", "warps", "block_n", "err") if args.kind == "tail" else ("fmt", "split")
-    report(f"time_layers --kind {args.kind}", card, bw, cases, us, extra_cols=cols)
+        bw, bw_detail = measure_read_bw()
+        card = env_card()
+    card.update({"kind": args.kind, "tp": args.tp, "rows": args.rows, "weights": args.weights,
+                 "preset": args.preset or ("tiny" if dry else "glm53-flash"), "experts": cfg.n_routed_experts,
+                 "read_kernels_gbps": bw_detail})
+    if args.kind in ("gemv",):
+        cases = build_gemv(cfg, args.tp, args.rows, args.weights, device)
+        us = time_interleaved(cases, args.reps, args.windows)
+        report(f"time_layers --kind {args.kind}", card, bw, cases, us, extra_cols=("fmt", "split"))
+        return 0
+    kinds = STEP_KINDS if args.kind == "step" else (args.kind,)
+    per_kind, all_cases, all_us, notes, post = {}, [], {}, [], []
+    cols = ("fmt", "grid", "warps", "timing", "err")
+    for kind in kinds:
+        import gc
+        cases, acct = build_kind(kind, cfg, args, device)
+        if dry:
+            us = {c.name: float("nan") for c in cases}
+        else:
+            us = apply_minus(cases, time_interleaved(cases, args.reps, args.windows))
+        total = lb.print_accounting(kind, acct, bw, notes)
+        base = next((c for c in cases if c.name.startswith("  torch ops")), None)
+        per_kind[kind] = {"us": us[cases[0].name], "bytes": total, "floor_us": total / bw * 1e6,
+                          "torch_us": us[base.name] if base else None, "acct": acct}
+        for c in cases:
+            c.info.setdefault("kind", kind)
+            c.fns = []                       # drop the launches and weights: step builds the next kind in their place
+        all_cases += cases
+        all_us.update(us)
+        del cases
+        gc.collect()
+        if not dry:
+            torch.cuda.empty_cache()
+    extra = {"accounting": {k: {"bytes": v["acct"]["bytes"], "n_routed": v["acct"].get("n_routed"),
+                                "n_routed_source": v["acct"].get("n_routed_source"),
+                                "timing": v["acct"].get("timing"), "copies": v["acct"].get("copies")}
+                            for k, v in per_kind.items()}, "pos": args.pos}
+    if args.kind == "step":
+        extra["step"] = lb.step_summary(cfg, per_kind, STEP_KINDS, post)
+    title = f"time_layers --kind {args.kind}" + (" --dry-run" if dry else "")
+    if dry:
+        lb.dry_report(title, card, bw, all_cases, extra, notes, post)
+    else:
+        report(title, card, bw, all_cases, all_us, extra_cols=cols, extra=extra, notes=notes, post=post)
     return 0
 
 

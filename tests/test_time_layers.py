@@ -1,0 +1,161 @@
+"""scripts/time_layers.py layer kinds on the CPU: the dry run of every kind at the tiny preset (each
+launch built, run once under the interpreter and compared with its torch baseline), the byte
+accounting against a hand count, and the timed path walked with a fake timer (GPU-only calls stubbed).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+SCRIPTS = os.path.join(ROOT, "scripts")
+sys.path.insert(0, SCRIPTS)
+
+import layer_baselines as lb                   # noqa: E402
+from glm53_flash.config import preset          # noqa: E402
+
+TOL = 2e-2          # launch vs the torch baseline (bf16 hand-offs on both sides)
+
+
+def dry(*args: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "time_layers.py"), "--dry-run", *args],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    print(p.stdout)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_dry_run_step_every_kind():
+    rec = dry("--kind", "step")
+    cfg = preset("tiny")
+    acc = rec["accounting"]
+    assert set(acc) == {"embed", "dense", "kda", "sparse", "tail"}
+    for r in rec["rows"]:
+        if "err" in r:
+            assert float(r["err"]) < TOL, r
+    judged = {r["kind"]: r for r in rec["rows"] if r["judged"]}
+    step = rec["step"]
+    plan = [k for k in cfg.launch_plan if k != "nextn"]
+    assert step["launches"] == len(plan) and step["counts"] == {k: plan.count(k) for k in acc}
+    assert step["bytes"] == sum(n * judged[k]["bytes"] for k, n in step["counts"].items())
+    for k in ("embed", "dense", "kda", "sparse"):
+        assert judged[k]["bytes"] == sum(acc[k]["bytes"].values())
+    assert acc["kda"]["n_routed"] == cfg.num_experts_per_tok        # rows 1: top-k distinct experts
+    # a torch baseline beside every kind
+    assert sum(r["case"].startswith("  torch ops") for r in rec["rows"]) == 5
+
+
+@pytest.mark.parametrize("args", [("--kind", "nextn", "--tp", "2", "--rows", "2", "--weights", "fp8"),
+                                  ("--kind", "sparse", "--rows", "4", "--pos", "26", "--experts", "4")],
+                         ids=["nextn-tp2-rows2-fp8", "sparse-rows4-pos26-e4"])
+def test_dry_run_options(args):
+    rec = dry(*args)
+    rows = [r for r in rec["rows"] if "err" in r]
+    assert rows and all(float(r["err"]) < TOL for r in rows), rows
+    if "--experts" in args:
+        assert rec["experts"] == 4 and rec["accounting"]["sparse"]["n_routed"] <= 4
+
+
+def test_kda_bytes_hand_count():
+    """kda launch, tiny preset, TP 2, 2 rows, bf16, 3 distinct routed experts, counted by hand."""
+    cfg = preset("tiny")          # H 256, 4 KDA heads x 64 (D 256), conv 4, 8 experts of 128, top 2, hc 4
+    got = lb.launch_bytes("kda", cfg, tp=2, rows=2, fmt="bf16", n_routed=3)
+    weights = sum([
+        2 * 256 * 2,              # input / post_attention layernorm, bf16, replicated
+        2 * 24 * 1024 * 4,        # hc_attn_fn, hc_ffn_fn [24, 4 H] fp32
+        2 * 24 * 4 + 2 * 3 * 4,   # hc base [24], scale [3]
+        3 * 128 * 256 * 2,        # q, k, v proj: this rank's 128 of 256 rows
+        3 * 128 * 4 * 4,          # q, k, v conv1d [128, 1, 4] fp32
+        2 * 64 * 256 * 2,         # f_a, g_a [64, 256] replicated
+        2 * 128 * 64 * 2,         # f_b, g_b: 128 of 256 rows
+        2 * 256 * 2,              # b_proj: 2 of 4 heads
+        2 * 4 + 128 * 4,          # A_log (2 heads), dt_bias (128) fp32
+        64 * 2,                   # o_norm
+        256 * 128 * 2,            # o_proj: 128 of 256 input columns
+        8 * 256 * 4 + 8 * 4,      # router weight and correction bias, fp32
+    ])
+    expert = 3 * 64 * 256 * 2     # gate, up [64 of 128, 256] and down [256, 64 of 128]
+    want = {
+        "weights": weights,
+        "shared expert": expert,
+        "routed experts (3)": 3 * expert,
+        "kda state r+w": 2 * 2 * 2 * 64 * 64 * 4,          # read + write, 2 rows x 2 heads x 64 x 64 fp32
+        "conv window r+w": 2 * 2 * 3 * 384 * 4,            # 2 rows x 3 past inputs x (q|k|v 3 x 128) fp32
+        "X in + X' out": 2 * 2 * 4 * 256 * 4,
+    }
+    assert got == want
+
+
+def test_sparse_cache_bytes_hand_count():
+    cfg = preset("tiny")          # index_topk 16 = 4 pools of 4; latent C 64 bf16; index dim 64
+    assert lb.selected_tokens(cfg, 10) == 11                    # 2 complete pools <= 4: everything
+    assert lb.selected_tokens(cfg, 26) == 16 + 3                # 6 pools > 4: top 4 pools + the open pool
+    got = lb.launch_bytes("sparse", cfg, tp=1, rows=1, fmt="bf16", pos=27, n_routed=2)
+    assert got["latent rows selected"] == 16 * 64 * 2           # pos 27: 7 complete pools, no open tail
+    assert got["pool keys scored"] == 7 * 64 * 2
+    assert got["cache writes"] == 64 * 2 + 128 * 4 + 64 * 2     # latent row, ring row, pool key 6
+    assert lb.launch_bytes("sparse", cfg, 1, 1, "bf16", pos=10)["pool keys scored"] == 0   # dense regime
+
+
+def test_fp8_pieces_follow_tp_rule():
+    cfg = preset("glm53-flash")
+    spec = lb.weight_specs(cfg)["model.language_model.layers.1.mlp.gate_proj.weight"]    # [12288, 4096]
+    assert lb.piece_bytes(spec, 8, "fp8") == 1536 * 4096 + 12 * 32 * 4
+    tiny = lb.weight_specs(preset("tiny"))["model.language_model.layers.1.mlp.gate_proj.weight"]   # [512, 256]
+    assert not lb.piece_fp8(tiny, 8, "fp8") and lb.piece_bytes(tiny, 8, "fp8") == 64 * 256 * 2     # dequantized
+
+
+def test_timed_path_with_fake_timer(monkeypatch, capsys, tmp_path):
+    """The GPU-only flow (copies from free memory, rotation vs flush, subtraction, report) on the CPU."""
+    import triton
+    if not triton.knobs.runtime.interpret:
+        pytest.skip("needs TRITON_INTERPRET=1 (CPU)")
+    import time_layers as tl
+    calls = []
+
+    def fake_time(cases, reps, windows):
+        for c in cases:
+            for f in c.fns[:2]:
+                f()
+            calls.append((c.name, len(c.fns)))
+        return {c.name: (5.0 if "flush" in c.name else 20.0) for c in cases}
+
+    monkeypatch.setattr(tl, "DEVICE", "cpu")
+    flushes = []
+    # the flush is the GPU-proven pure-read kernel (measure_read_bw); the interpreter cannot run its loop
+    monkeypatch.setattr(tl, "_flush_fn", lambda device: (lambda: flushes.append(device)))
+    monkeypatch.setattr(tl, "time_interleaved", fake_time)
+    monkeypatch.setattr(tl, "measure_read_bw", lambda: (4.0e12, {"fake": 4000.0}))
+    monkeypatch.setattr(tl, "env_card", lambda: {"gpu": "fake"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (100 * 2 ** 30, 140 * 2 ** 30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    torch.set_num_threads(1)
+    assert tl.main(["--kind", "kda", "--preset", "tiny", "--max-copies", "1"]) == 0
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    launch = rec["rows"][0]
+    assert launch["timing"] == "flush" and launch["us"] == 15.0             # 20 - the flush alone
+    assert any("flush alone" in r["case"] and r["us"] == 5.0 for r in rec["rows"])
+    assert launch["bytes"] == sum(rec["accounting"]["kda"]["bytes"].values())
+    assert flushes                                                         # every timed launch flushed first
+    assert tl.main(["--kind", "sparse", "--preset", "tiny", "--max-copies", "2", "--pos", "27"]) == 0
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["rows"][0]["timing"] == "rotate" and rec["rows"][0]["us"] == 20.0
+    assert ("sparse launch tp1 rows1 bf16", 2) in calls
+    # the step: every kind timed in turn, then the same sums again from the saved JSON line (--from)
+    assert tl.main(["--kind", "step", "--preset", "tiny", "--max-copies", "1", "--pos", "27"]) == 0
+    out = capsys.readouterr().out
+    rec = json.loads(out.strip().splitlines()[-1])
+    step = rec["step"]
+    assert step["launches"] == 9 and step["us"] == sum(
+        n * next(r["us"] for r in rec["rows"] if r["judged"] and r["kind"] == k) for k, n in step["counts"].items())
+    (tmp_path / "step.txt").write_text(out)
+    assert tl.main(["--kind", "step", "--preset", "tiny", "--from", str(tmp_path / "step.txt")]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"]
+    assert again == step
