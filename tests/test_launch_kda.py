@@ -9,7 +9,7 @@ import torch
 
 from glm53_flash.launches import build_launch, sites
 from glm53_flash.launches.kda import KdaLaunch
-from glm53_flash.launches.layer_host import new_xchg, run_tp
+from glm53_flash.launches.layer_host import DEFAULT_MAXNREG, new_xchg, run_tp
 from glm53_flash.reference import ops
 from glm53_flash.reference.model import ReferenceModel
 from test_launch_dense import (TOL_BF16, check_step, fault_every_site, gpu_layer_check, make_step, poison_scratch,
@@ -126,21 +126,22 @@ for v in json.loads(sys.argv[1]):
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}
     ck = triton.compile(ASTSource(fn=k, signature=sig, constexprs=c, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=v["warps"]))
+                        options=dict(num_warps=v["warps"], **({"maxnreg": v["maxnreg"]} if v["maxnreg"] else {})))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ck.asm["ptx"])
     log = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True,
                          check=True).stderr
     os.unlink(f.name)
     out.append(dict(name=v["name"], regs=int(re.search(r"Used (\d+) registers", log)[1]),
-                    spill=int(re.search(r"(\d+) bytes spill stores", log)[1]), shared=ck.metadata.shared,
+                    spill=sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log)), shared=ck.metadata.shared,
                     spin_ok=ck.asm["ptx"].count("ld.relaxed.gpu.global.v4.u32") > 0))
 print(json.dumps(out))
 '''
 
 
-def real_consts(tp=1, moe=False, embed=False, fp8=False, warps=4):
-    """Constexprs of a real-shape build (H 4096, 64 KDA heads x 128, dense 12288 / MoE 288 x 2048, top-8)."""
+def real_consts(tp=1, moe=False, embed=False, fp8=False, warps=4, maxnreg=DEFAULT_MAXNREG):
+    """Constexprs of a real-shape build (H 4096, 64 KDA heads x 128, dense 12288 / MoE 288 x 2048, top-8) and
+    the launch's ptxas cap (spill: local-store bytes summed over the kernel and its noinline functions)."""
     H, d, nh = 4096, 128, 64 // tp
     D = nh * d
     c = dict(H=H, D=D, NH=nh, R=d, N_IN=3 * D + nh + 2 * d, I=(2048 if moe else 12288) // tp, DK=d, DV=d, BV=32, KC=4,
@@ -149,7 +150,7 @@ def real_consts(tp=1, moe=False, embed=False, fp8=False, warps=4):
              I_E=(2048 // tp) if moe else 1, E_PAD=512 if moe else 1, K_PAD=8 if moe else 1, RENORM=True, BLOCK_E=16,
              RCK=32)
     return dict(name=f"{'kda' if moe else 'embed' if embed else 'dense'}-tp{tp}-{'fp8' if fp8 else 'bf16'}-w{warps}",
-                consts=c, fp8=fp8, warps=warps)
+                consts=c, fp8=fp8, warps=warps, maxnreg=maxnreg)
 
 
 def compile_sm90(variants):
@@ -175,9 +176,9 @@ def compile_sm90(variants):
 
 def test_sm90_compile_kda_tp8():
     """The whole kernel (every family, MoE included) compiles for sm_90 with its spin loops intact.
-    Registers are reported, not gated (see the report: 255 with some spill at 4 warps)."""
+    At the launch's cap (maxnreg 128): 128 registers, ~100 B of local stores (launches/kda_layer.py)."""
     (s,) = compile_sm90([real_consts(tp=8, moe=True)])
-    assert s["spin_ok"] and s["regs"] <= 255
+    assert s["spin_ok"] and s["regs"] <= DEFAULT_MAXNREG
 
 
 @pytest.mark.slow

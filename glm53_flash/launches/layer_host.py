@@ -27,11 +27,13 @@ from .. import tp as tp_mod
 from ..schedule import TaskGraph
 from ..weights import PREFIX, weight_specs
 from .base import Launch, run_interleaved
+from .ffn import BOX_BASE_H as BOX_BASE
 from .kda_layer import BOXES, FAMILIES, META, META_WORDS, ROWS_REGIONS, kda_layer_kernel
 
 WIDTHS = (1, 2, 4, 8)
 ROWS_PAD = 8
 SLOT = 40
+DEFAULT_MAXNREG = 128       # ptxas cap (-1 = this default; None = ptxas's choice): see kda_layer.py "Registers"
 
 
 def default_block_v(head_dim: int) -> int:
@@ -86,12 +88,14 @@ class KdaLayerLaunch(Launch):
 
     kind = "dense"
     embed = False
+    META_LAYOUT = (BOXES, ROWS_REGIONS, META, META_WORDS)        # the kernel module's meta words
 
     def __init__(self, cfg, source, layer: int, *, tp_rank: int = 0, tp_size: int = 1, width: int = 1, device=None,
                  grid: int | None = None, scales: Mapping | None = None, block_v: int | None = None,
                  timeout_s: float = 1.0, xchg=None, block_n: int = 64, block_k: int = 128, num_stages: int = 3,
-                 num_warps: int = 4, act_dtype: str = "bfloat16", **tag_kw):
+                 num_warps: int = 4, act_dtype: str = "bfloat16", maxnreg: int | None = -1, **tag_kw):
         super().__init__(grid=grid, device=device, timeout_s=timeout_s, **tag_kw)
+        self.maxnreg = DEFAULT_MAXNREG if maxnreg == -1 else maxnreg
         cfg.check_tp(tp_size)
         k = self.kind
         if not (isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
@@ -119,18 +123,7 @@ class KdaLayerLaunch(Launch):
         if d % self.BV or self.BV & (self.BV - 1) or self.BV < 16:
             raise ValueError(f"{k}: block_v={self.BV} must be a power of two >= 16 dividing {d}")
         self._load_weights(source, scales)
-        if tp_size > 1 and xchg is None:
-            self.loopback = True
-            xchg = new_xchg(cfg, tp_size, width, self.device)
-        else:
-            self.loopback = False
-        if xchg is not None:
-            n = tp_size * tp_size * width * H
-            if len(xchg) != 2 or any(x.dtype != torch.int64 or x.numel() < n for x in xchg):
-                raise ValueError(f"{k}: xchg must be two int64 mailboxes of >= {n} words (see new_xchg)")
-        self.xo, self.xd = xchg if xchg is not None else (torch.zeros(1, dtype=torch.int64, device=self.device),) * 2
-        self.peer_o = torch.zeros(max(tp_size, 1), width, H, device=self.device)
-        self.peer_d = torch.zeros(max(tp_size, 1), width, H, device=self.device)
+        self._setup_xchg(xchg)
         dev, nan = self.device, float("nan")
         self.X_out = torch.full((width, 4, H), nan, device=dev)
         self.S_out = torch.full((width, self.NH, d, d), nan, device=dev)
@@ -140,6 +133,22 @@ class KdaLayerLaunch(Launch):
         self.rows = 0
         self._setup()
         self.meta = self._meta().to(dev)
+
+    def _setup_xchg(self, xchg) -> None:
+        """The cross-rank mailboxes (xo, xd) and the loopback peers' partials (shared with sparse.py)."""
+        tp, W, H = self.tp_size, self.width, self.H
+        if tp > 1 and xchg is None:
+            self.loopback = True
+            xchg = new_xchg(self.cfg, tp, W, self.device)
+        else:
+            self.loopback = False
+        if xchg is not None:
+            n = tp * tp * W * H
+            if len(xchg) != 2 or any(x.dtype != torch.int64 or x.numel() < n for x in xchg):
+                raise ValueError(f"{self.kind}: xchg must be two int64 mailboxes of >= {n} words (see new_xchg)")
+        self.xo, self.xd = xchg if xchg is not None else (torch.zeros(1, dtype=torch.int64, device=self.device),) * 2
+        self.peer_o = torch.zeros(max(tp, 1), W, H, device=self.device)
+        self.peer_d = torch.zeros(max(tp, 1), W, H, device=self.device)
 
     # ------------------------------------------------------------------ weights
     def _names(self) -> list[str]:
@@ -212,27 +221,13 @@ class KdaLayerLaunch(Launch):
         return [f"{k}.{n}" for n in s]
 
     def build_graph(self) -> TaskGraph:
-        g, G, H, W = TaskGraph(self.kind, FAMILIES), self.grid, self.H, self.width
-        BN, tp, NB = self.block_n, self.tp_size, self.DK // self.BV
+        g, H, W = TaskGraph(self.kind, FAMILIES), self.H, self.width
+        NB = self.DK // self.BV
         wb = 1 if self.fp8 else 2
         self.n_box = {}
-        # hc_pre partials: one slot per BLOCK_N column tile (join order = tile order, whatever the grid)
-        if H % BN:
-            raise ValueError(f"{self.kind}: hidden size {H} must be a multiple of block_n={BN}")
-        g.stage("hc_pre")
-        self.block_c = 32
-        n_col = H // BN
-        parts = _ranges(n_col, min(G, n_col))
-        for s, (t0, n) in enumerate(parts):
-            g.add("part", (t0, n, s), writes=("hp1",), nbytes=n * BN * (24 * 4 * 4 + W * 4 * 4))
-        self.n_box["hp1"] = len(parts)
-        self.npart1 = self.npart2 = n_col
-        self.gate_bh = min(512, H)
-        n_gate = H // self.gate_bh
-        g.stage("gate_in")
-        for t in range(n_gate):
-            g.add("gate1", (t * self.gate_bh, t), reads=("hp1",), writes=("a_in",), nbytes=W * 4 * self.gate_bh * 4)
-        self.n_box["a_in"] = n_gate
+        if H % self.block_n:
+            raise ValueError(f"{self.kind}: hidden size {H} must be a multiple of block_n={self.block_n}")
+        self._graph_pre(g)
         g.stage("inproj")
         self._gemv_stage(g, "inproj", self.N_IN, self.H * 2, ("a_in",), ("yin",), "yin")
         g.stage("kda")
@@ -253,22 +248,52 @@ class KdaLayerLaunch(Launch):
                         g.add("kda_norm", (r, h, cb, slot), reads=("oraw",), writes=("o",), nbytes=2 * self.R * self.BV)
                         slot += 1
             self.n_box["o"] = slot
+        self._graph_oproj(g, self.D * 2)
+        self._graph_gate_ffn(g)
+        self._ffn_graph(g, wb)
+        return g
+
+    # graph pieces shared with the sparse launch (sparse.py; nextn.py overrides pre / gate_ffn)
+    def _graph_pre(self, g) -> None:
+        """mHC before the mixer: hc_pre partial slots (one per BLOCK_N column tile: join order = tile
+        order, whatever the grid), then the gate row a_in."""
+        G, H, W, BN = self.grid, self.H, self.width, self.block_n
+        g.stage("hc_pre")
+        self.block_c = 32
+        n_col = H // BN
+        parts = _ranges(n_col, min(G, n_col))
+        for s, (t0, n) in enumerate(parts):
+            g.add("part", (t0, n, s), writes=("hp1",), nbytes=n * BN * (24 * 4 * 4 + W * 4 * 4))
+        self.n_box["hp1"] = len(parts)
+        self.npart1 = self.npart2 = n_col
+        self.gate_bh = min(512, H)
+        n_gate = H // self.gate_bh
+        g.stage("gate_in")
+        for t in range(n_gate):
+            g.add("gate1", (t * self.gate_bh, t), reads=("hp1",), writes=("a_in",), nbytes=W * 4 * self.gate_bh * 4)
+        self.n_box["a_in"] = n_gate
+
+    def _graph_oproj(self, g, row_bytes: int) -> None:
+        """o_proj tiles (row_bytes: bytes of one weight row); TP > 1: the exchange and the rank sums."""
+        H, W, BN, tp = self.H, self.width, self.block_n, self.tp_size
         g.stage("o_proj")
         if tp == 1:
-            self._gemv_stage(g, "oproj", H, self.D * 2, ("o",), ("hp2",), "hp2")
+            self._gemv_stage(g, "oproj", H, row_bytes, ("o",), ("hp2",), "hp2")
         else:
-            ranges = self._gemv_stage(g, "oproj", H, self.D * 2, ("o",), ("xo",), None, ret_ranges=True)
+            ranges = self._gemv_stage(g, "oproj", H, row_bytes, ("o",), ("xo",), None, ret_ranges=True)
             self._peers(g, "peer_o", ranges, "xo")
             g.stage("o_sum")
             for s, (t0, n) in enumerate(ranges):
                 g.add("post1", (t0, n, s), reads=("xo",), writes=("hp2",), nbytes=tp * W * n * BN * 8)
             self.n_box["hp2"] = len(ranges)
+
+    def _graph_gate_ffn(self, g) -> None:
         g.stage("gate_ffn")
+        n_gate = self.H // self.gate_bh
         for t in range(n_gate):
-            g.add("gate2", (t * self.gate_bh, t), reads=("hp2",), writes=("a",), nbytes=W * 4 * self.gate_bh * 4)
+            g.add("gate2", (t * self.gate_bh, t), reads=("hp2",), writes=("a",),
+                  nbytes=self.width * 4 * self.gate_bh * 4)
         self.n_box["a"] = n_gate
-        self._ffn_graph(g, wb)
-        return g
 
     def _ffn_graph(self, g: TaskGraph, wb: int) -> None:
         H, tp, BN, W = self.H, self.tp_size, self.block_n, self.width
@@ -305,10 +330,7 @@ class KdaLayerLaunch(Launch):
     def plan_scratch(self, pl: Planner) -> None:
         W, H, D, NB = self.width, self.H, self.D, self.DK // self.BV
         f32, bf = "float32", self.act_dtype
-        pl.rows("part1", (self.npart1, ROWS_PAD, SLOT), f32)
-        pl.rows("part2", (self.npart2, ROWS_PAD, SLOT), f32)
-        pl.rows("coef1", (W, 24), f32)
-        pl.rows("coef2", (W, 24), f32)
+        self._plan_hc_rows(pl)
         pl.rows("x0", (W, 4, H), f32)
         pl.rows("a_in_rows", (W, H), bf)
         pl.rows("a_rows", (W, H), bf)
@@ -316,6 +338,18 @@ class KdaLayerLaunch(Launch):
         pl.rows("oraw_rows", (W, D), f32)
         pl.rows("ssq", (W, self.NH, NB), f32)
         pl.rows("o_rows", (W, D), bf)
+        self._plan_ffn_rows(pl)
+        self._plan_boxes(pl)
+
+    # scratch pieces shared with the sparse launch (sparse.py), in the same order
+    def _plan_hc_rows(self, pl: Planner) -> None:
+        pl.rows("part1", (self.npart1, ROWS_PAD, SLOT), "float32")
+        pl.rows("part2", (self.npart2, ROWS_PAD, SLOT), "float32")
+        pl.rows("coef1", (self.width, 24), "float32")
+        pl.rows("coef2", (self.width, 24), "float32")
+
+    def _plan_ffn_rows(self, pl: Planner) -> None:
+        W, H, f32, bf = self.width, self.H, "float32", self.act_dtype
         pl.rows("y1", (W, H), f32)
         pl.rows("xmid", (W, 4, H), f32)
         pl.rows("h_rows", (W, self.I), bf)
@@ -324,20 +358,25 @@ class KdaLayerLaunch(Launch):
         pl.rows("ids_rec", (W, self.KE), "int32")
         pl.rows("rw_rec", (W, self.KE), f32)
         pl.rows("act_e", (W, self.KE, self.I_E), bf)
-        for b in BOXES:
+
+    def _plan_boxes(self, pl: Planner) -> None:
+        for b in self.META_LAYOUT[0]:
             pl.box("box_" + b, self.grid, max(1, self.n_box.get(b, 1)))
 
     def _meta(self) -> torch.Tensor:
-        L, sched = self.layout, self.schedule
-        m = [0] * META_WORDS
-        for i, b in enumerate(BOXES):
+        """The kernel's meta words (launches/ffn.py meta_layout): region offsets and scalars, then the
+        boxes' (offset, words, producers, site). The layout's names come from the kernel module."""
+        L, sched, boxes, regions, meta, words = self.layout, self.schedule, *self.META_LAYOUT
+        m = [0] * words
+        for n in regions:
+            m[meta[n]] = L[n].elem_offset()
+        m[meta["hdr"]] = L["hdr"].elem_offset()
+        m[meta["site_xo"]], m[meta["site_xd"]] = sched.site_id("xo"), sched.site_id("xd")
+        m[meta["npart1"]], m[meta["npart2"]], m[meta["nrpart"]] = self.npart1, self.npart2, self.nrpart
+        for i, b in enumerate(boxes):
             r = L["box_" + b]
-            m[4 * i: 4 * i + 4] = [r.elem_offset(), r.shape[1], self.n_box.get(b, 0), sched.site_id(b)]
-        for n in ROWS_REGIONS:
-            m[META[n]] = L[n].elem_offset()
-        m[META["hdr"]] = L["hdr"].elem_offset()
-        m[META["site_xo"]], m[META["site_xd"]] = sched.site_id("xo"), sched.site_id("xd")
-        m[META["npart1"]], m[META["npart2"]], m[META["nrpart"]] = self.npart1, self.npart2, self.nrpart
+            m[BOX_BASE + 4 * i: BOX_BASE + 4 * i + 4] = [r.elem_offset(), r.shape[1], self.n_box.get(b, 0),
+                                                         sched.site_id(b)]
         return torch.tensor(m, dtype=torch.int32)
 
     def kernel(self):
@@ -364,6 +403,8 @@ class KdaLayerLaunch(Launch):
                      ACT_F32=self.act_dtype == "float32", MOE=self.moe, E=self.E, KE=self.KE, I_E=self.I_E,
                      E_PAD=triton.next_power_of_2(self.E), K_PAD=triton.next_power_of_2(self.KE),
                      RENORM=bool(cfg.norm_topk_prob), BLOCK_E=16, RCK=32)
+        if self.maxnreg:
+            const["maxnreg"] = self.maxnreg       # a compile option (ptxas), not a kernel argument
         return args, const
 
     # ------------------------------------------------------------------ run

@@ -1,7 +1,7 @@
 """Device pieces of the KDA-mixer half of a layer launch (dense / kda / embed kinds): the token
 gather, the mHC gate row, the KDA block task with its in-task low-rank f / output gate, and the
-cross-rank exchange of a GEMV tile. Pure compute; the waits and publishes stay in the kernel
-(launches/kda_layer.py), which owns the control flow and the error path.
+cross-rank exchange of a GEMV tile. Pure compute; the waits and publishes stay in the task functions
+(launches/ffn.py, launches/kda_layer.py), which own the control flow and the error path.
 
 Why these shapes:
 - The gate row (`gate_rows`) is written by a few column-tile tasks after a box wait on every hc_pre

@@ -55,7 +55,7 @@ from ..kernels.indexer import topk_passes
 from ..kernels.mla import AttentionSplit, choose_attention_split
 from ..schedule import TaskGraph
 from .kda import KdaLaunch
-from .layer_host import ROWS_PAD, SLOT, WIDTHS, _ranges, new_xchg, rank_tensors
+from .layer_host import ROWS_PAD, WIDTHS, _ranges, rank_tensors
 from .sparse_layer import BOXES, FAMILIES, META, META_WORDS, ROWS_REGIONS, sparse_layer_kernel
 
 T_MAX_LIMIT = 16        # selection tasks per row (kernels/indexer.py: registers measured at T_MAX 16)
@@ -68,6 +68,8 @@ class SparseLaunch(KdaLaunch):
     (an AttentionSplit) overrides the chooser; sel_chunk (pools per selection task, a multiple of
     block_p) defaults to the smallest giving <= 16 tasks; bits: radix digit width (8 only: 4 passes,
     the register-light choice of kernels/indexer.py)."""
+
+    META_LAYOUT = (BOXES, ROWS_REGIONS, META, META_WORDS)        # layer_host.py _meta
 
     kind = "sparse"
     NEXTN = False
@@ -125,14 +127,7 @@ class SparseLaunch(KdaLaunch):
         if self.NHA % sp.heads_per_task or sp.tokens_per_task % sp.block_t or sp.tokens_per_task * sp.n_splits < self.WIDTH:
             raise ValueError(f"{k}: attention split {sp} does not fit {self.NHA} heads / {self.WIDTH} indices")
         self._load_weights(source, scales)
-        if tp_size > 1 and xchg is None:
-            self.loopback = True
-            xchg = new_xchg(cfg, tp_size, width, self.device)
-        else:
-            self.loopback = False
-        self.xo, self.xd = xchg if xchg is not None else (torch.zeros(1, dtype=torch.int64, device=self.device),) * 2
-        self.peer_o = torch.zeros(max(tp_size, 1), width, H, device=self.device)
-        self.peer_d = torch.zeros(max(tp_size, 1), width, H, device=self.device)
+        self._setup_xchg(xchg)
         self.X_out = torch.full((width, 4, H), float("nan"), device=self.device)
         self.positions = torch.zeros(width, dtype=torch.int32, device=self.device)
         self.slots = torch.zeros(width, dtype=torch.int32, device=self.device)
@@ -218,29 +213,11 @@ class SparseLaunch(KdaLaunch):
             raise ValueError(f"{self.kind}: hidden size {self.H} must be a multiple of block_n={self.block_n}")
         self._graph_pre(g)
         self._graph_mixer(g)
-        self._graph_oproj(g)
+        self._graph_oproj(g, self.NHA * self.DV * self.W_o.element_size())
         self._graph_gate_ffn(g)
         self._ffn_graph(g, 1 if self.fp8 else 2)
         self._graph_post(g)
         return g
-
-    def _graph_pre(self, g) -> None:
-        """mHC before the mixer: hc_pre partial slots, then the gate row a_in."""
-        G, H, W, BN = self.grid, self.H, self.width, self.block_n
-        g.stage("hc_pre")
-        self.block_c = 32
-        n_col = H // BN
-        parts = _ranges(n_col, min(G, n_col))
-        for s, (t0, n) in enumerate(parts):
-            g.add("part", (t0, n, s), writes=("hp1",), nbytes=n * BN * (24 * 4 * 4 + W * 4 * 4))
-        self.n_box["hp1"] = len(parts)
-        self.npart1 = self.npart2 = n_col
-        self.gate_bh = min(512, H)
-        n_gate = H // self.gate_bh
-        g.stage("gate_in")
-        for t in range(n_gate):
-            g.add("gate1", (t * self.gate_bh, t), reads=("hp1",), writes=("a_in",), nbytes=W * 4 * self.gate_bh * 4)
-        self.n_box["a_in"] = n_gate
 
     def _graph_mixer(self, g) -> None:
         """The DSA mixer: a_in -> o (this rank's heads' attention outputs, bf16)."""
@@ -293,29 +270,6 @@ class SparseLaunch(KdaLaunch):
                 slot += 1
         self.n_box["o"] = slot
 
-    def _graph_oproj(self, g) -> None:
-        H, W, BN, tp = self.H, self.width, self.block_n, self.tp_size
-        wb = lambda t: t.element_size()                                            # noqa: E731
-        g.stage("o_proj")
-        DO = self.NHA * self.DV
-        if tp == 1:
-            self._gemv_stage(g, "oproj", H, DO * wb(self.W_o), ("o",), ("hp2",), "hp2")
-        else:
-            ranges = self._gemv_stage(g, "oproj", H, DO * wb(self.W_o), ("o",), ("xo",), None, ret_ranges=True)
-            self._peers(g, "peer_o", ranges, "xo")
-            g.stage("o_sum")
-            for s, (t0, n) in enumerate(ranges):
-                g.add("post1", (t0, n, s), reads=("xo",), writes=("hp2",), nbytes=tp * W * n * BN * 8)
-            self.n_box["hp2"] = len(ranges)
-
-    def _graph_gate_ffn(self, g) -> None:
-        g.stage("gate_ffn")
-        n_gate = self.H // self.gate_bh
-        for t in range(n_gate):
-            g.add("gate2", (t * self.gate_bh, t), reads=("hp2",), writes=("a",),
-                  nbytes=self.width * 4 * self.gate_bh * 4)
-        self.n_box["a"] = n_gate
-
     def _graph_post(self, g) -> None:
         """After the FFN (nothing here: down / down_sum write X_out)."""
 
@@ -330,10 +284,7 @@ class SparseLaunch(KdaLaunch):
     def plan_scratch(self, pl: Planner) -> None:
         W, H, f32, i32, bf = self.width, self.H, "float32", "int32", self.act_dtype
         sp, NH, C = self.split, self.NHA, self.C
-        pl.rows("part1", (self.npart1, ROWS_PAD, SLOT), f32)
-        pl.rows("part2", (self.npart2, ROWS_PAD, SLOT), f32)
-        pl.rows("coef1", (W, 24), f32)
-        pl.rows("coef2", (W, 24), f32)
+        self._plan_hc_rows(pl)
         pl.rows("a_in_rows", (W, H), bf)
         pl.rows("a_rows", (W, H), bf)
         pl.rows("ya", (W, self.NA), f32)
@@ -349,32 +300,11 @@ class SparseLaunch(KdaLaunch):
         pl.rows("sbuf", (self.grid, sp.tokens_per_task, sp.heads_per_task), f32)
         pl.rows("ctx", (self.grid, ROWS_PAD, C), f32)
         pl.rows("o_rows", (W, NH * self.DV), bf)
-        pl.rows("y1", (W, H), f32)
-        pl.rows("xmid", (W, 4, H), f32)
-        pl.rows("h_rows", (W, self.I), bf)
-        pl.rows("y2", (W, H), f32)
-        pl.rows("part_r", (self.nrpart, W, self.E), f32)
-        pl.rows("ids_rec", (W, self.KE), i32)
-        pl.rows("rw_rec", (W, self.KE), f32)
-        pl.rows("act_e", (W, self.KE, self.I_E), bf)
+        self._plan_ffn_rows(pl)
         nx = self.NEXTN
         pl.rows("ein_rows", (W, 2 * H) if nx else (1,), bf)
         pl.rows("x0", (W, H) if nx else (1,), f32)
-        for b in BOXES:
-            pl.box("box_" + b, self.grid, max(1, self.n_box.get(b, 1)))
-
-    def _meta(self) -> torch.Tensor:
-        L, sched = self.layout, self.schedule
-        m = [0] * META_WORDS
-        for i, b in enumerate(BOXES):
-            r = L["box_" + b]
-            m[4 * i: 4 * i + 4] = [r.elem_offset(), r.shape[1], self.n_box.get(b, 0), sched.site_id(b)]
-        for n in ROWS_REGIONS:
-            m[META[n]] = L[n].elem_offset()
-        m[META["hdr"]] = L["hdr"].elem_offset()
-        m[META["site_xo"]], m[META["site_xd"]] = sched.site_id("xo"), sched.site_id("xd")
-        m[META["npart1"]], m[META["npart2"]], m[META["nrpart"]] = self.npart1, self.npart2, self.nrpart
-        return torch.tensor(m, dtype=torch.int32)
+        self._plan_boxes(pl)
 
     def kernel(self):
         return sparse_layer_kernel
