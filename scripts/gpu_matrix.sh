@@ -5,7 +5,7 @@
 #            bound: both overlap), and the CLI on cuda with every driven kind under MONO_CHECK;
 #   phase B: time_layers over the matrix (scripts/time_matrix.py), alone on the GPU, until DEADLINE
 #            seconds after the start;
-#   then the Triton cache is packed for the next call (carry .triton_cache.tgz).
+#   then the Triton cache is packed for the next call (parts; cat them into .triton_cache.tgz and carry it).
 # Env: PHASE_A=0 skips the tests; TESTS="spec ..." overrides the test groups ("file::-k expr" each);
 #      TIMING="argsets" (';'-separated time_matrix argument sets) overrides the timing plan.
 set -uo pipefail
@@ -56,6 +56,7 @@ for a in "${sets[@]}"; do
   echo "=== rc=$? time_matrix $a (end $(el) s)" >> "$S"
 done
 [ -f "$OUT/timing.log" ] && grep -E "^(#####|!!|not started)|launch tp|torch ops" "$OUT/timing.log" >> "$S"
-tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+# the cache for the next call (carry .triton_cache.tgz = cat triton_cache.part*): parts under the 16 MB file limit
+tar czf - -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15m - "$OUT/triton_cache.part"
 echo "=== end at $(el) s" >> "$S"
 cat "$S"

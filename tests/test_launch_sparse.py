@@ -317,8 +317,23 @@ def real_cfg(nextn=False):
     return GlmConfig(num_hidden_layers=5, n_routed_experts=16, num_nextn_predict_layers=int(nextn))
 
 
+_GPU_WEIGHTS: dict = {}
+
+
 def layer_weights(cfg, layer, fmt, device, extra=()):
-    """(weights for the launch, scales, a reference mapping) of one layer, FP8-quantized if fmt == 'fp8'."""
+    """(weights for the launch, scales, a reference mapping) of one layer, FP8-quantized if fmt == 'fp8'.
+    On the GPU the latest build is kept for the next test of the same config (random weights at real
+    shapes take tens of seconds to make and quantize on the CPU)."""
+    key = (repr(cfg), layer, fmt, str(device), tuple(extra))
+    if str(device) == "cpu":
+        return _layer_weights(cfg, layer, fmt, device, extra)
+    if key not in _GPU_WEIGHTS:
+        _GPU_WEIGHTS.clear()
+        _GPU_WEIGHTS[key] = _layer_weights(cfg, layer, fmt, device, extra)
+    return _GPU_WEIGHTS[key]
+
+
+def _layer_weights(cfg, layer, fmt, device, extra=()):
     from glm53_flash.fp8 import dequantize_fp8, quantize_fp8
     from glm53_flash.weights import RandomWeights, weight_specs
     from test_launch_dense import _Partial

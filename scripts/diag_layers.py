@@ -1,0 +1,153 @@
+"""Run one layer launch at a rank's real shapes and, if a hand-off stalls, explain it
+(glm53_flash/launches/diagnose.py): the missing producers, their CTAs, and how far those CTAs got.
+Then the same inputs once more stage by stage (one launch per stage, as CPU mode runs), which tells a
+stall of the single persistent launch (ordering between CTAs) from one of the code path itself.
+
+  python scripts/diag_layers.py --kind nextn --tp 1 --rows 1 --pos 640          (GPU)
+  python scripts/diag_layers.py --kind sparse --tp 2 --rows 2 --preset tiny --pos 27 \\
+         --inject-fault sparse.xd                                                 (CPU, interpreter)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if not os.path.exists("/dev/nvidiactl"):      # no GPU: kernels run under the interpreter (set before triton)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def build(kind, cfg, tp, rows, fmt, pos, device):
+    import torch
+    import layer_baselines as lb
+    from glm53_flash.launches import build_launch  # noqa: F401  (registry import order)
+    from glm53_flash.launches.dense import DenseLaunch
+    from glm53_flash.launches.embed import EmbedLaunch
+    from glm53_flash.launches.kda import KdaLaunch
+    from glm53_flash.launches.nextn import NextnLaunch
+    from glm53_flash.launches.sparse import SparseLaunch
+    src = lb.RankSource(cfg, 0, tp, fmt, device, seed=0)
+    g = torch.Generator(device=device).manual_seed(3)
+    if kind in ("embed", "dense", "kda"):
+        cls = {"embed": EmbedLaunch, "dense": DenseLaunch, "kda": KdaLaunch}[kind]
+        L = cls(cfg, src, lb.layer_of(cfg, kind), tp_rank=0, tp_size=tp, width=rows, device=device)
+        nh, d = cfg.linear_num_heads // tp, cfg.linear_head_dim
+        S = 0.1 * torch.randn(rows, nh, d, d, device=device, generator=g)
+        win = torch.randn(rows, cfg.linear_conv_kernel_dim - 1, 3 * nh * d, device=device, generator=g)
+        X = (torch.randint(0, cfg.vocab_size, (rows,), device=device, generator=g) if kind == "embed"
+             else torch.randn(rows, cfg.hc_mult, cfg.hidden_size, device=device, generator=g))
+        return L, lambda f=None: L.run(X, S, win, inject_fault=f, commit=False)
+    pos_max = -(-(pos + 2) // cfg.index_kpool) * cfg.index_kpool
+    kw = dict(tp_rank=0, tp_size=tp, width=rows, device=device, max_len=pos_max)
+    L = NextnLaunch(cfg, src, **kw) if kind == "nextn" else SparseLaunch(cfg, src, lb.layer_of(cfg, kind), **kw)
+    lat = torch.randn(rows, pos_max, cfg.kv_lora_rank, device=device, generator=g).bfloat16()
+    pk = torch.randn(rows, pos_max // cfg.index_kpool, cfg.index_head_dim, device=device, generator=g).bfloat16()
+    tr = torch.randn(rows, cfg.index_kpool, 2 * cfg.index_head_dim, device=device, generator=g)
+    positions = [max(1, pos - 37 * r) for r in range(rows)]
+    if kind == "nextn":
+        X = torch.randn(rows, cfg.hidden_size, device=device, generator=g)
+        tok = torch.randint(0, cfg.vocab_size, (rows,), device=device, generator=g)
+        run = lambda f=None: L.run(X, tok, lat, pk, tr, positions, inject_fault=f)      # noqa: E731
+    else:
+        X = torch.randn(rows, cfg.hc_mult, cfg.hidden_size, device=device, generator=g)
+        run = lambda f=None: L.run(X, lat, pk, tr, positions, inject_fault=f)           # noqa: E731
+    return L, run
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--kind", choices=("embed", "dense", "kda", "sparse", "nextn"), required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16")
+    ap.add_argument("--pos", type=int, default=640)
+    ap.add_argument("--experts", type=int, default=16, help="routed experts built (the tests' 16)")
+    ap.add_argument("--preset", default=None, help="default glm53-flash (tiny on the CPU)")
+    ap.add_argument("--inject-fault", default=None, help="a wait site to fault (checks the report on a known stall)")
+    ap.add_argument("--num-warps", type=int, default=None)
+    ap.add_argument("--timeout", type=float, default=None, help="wait budget in seconds (default the launch's)")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="GPU: after the checks, time N more persistent launches (wall) and one stage-by-stage "
+                         "launch per stage with CUDA events (where the time of a launch goes)")
+    args = ap.parse_args(argv)
+    import torch
+    from glm53_flash.config import preset
+    from glm53_flash.launches.diagnose import box_summary, explain
+    from sync import HandoffTimeout
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = preset(args.preset or ("glm53-flash" if device == "cuda" else "tiny"))
+    cfg = cfg.replace(n_routed_experts=min(args.experts, cfg.n_routed_experts),
+                      num_nextn_predict_layers=max(1, cfg.num_nextn_predict_layers))
+    L, run = build(args.kind, cfg, args.tp, args.rows, args.weights, args.pos, device)
+    if args.num_warps:
+        L.num_warps = args.num_warps
+    if args.timeout:
+        L.timeout_s = args.timeout
+    print(f"== {args.kind} tp{args.tp} rows{args.rows} {args.weights} pos {args.pos} on {device}: grid {L.grid}, "
+          f"{len(L.schedule.tasks)} tasks, {L.n_stages} stages, sites {L.sites.names if hasattr(L.sites, 'names') else ''}")
+    import time
+    for label, stagewise in (("one persistent launch", False), ("stage by stage", True)):
+        t0 = time.perf_counter()
+        try:
+            if stagewise:
+                L.enqueue(L.fault_id(args.inject_fault) if args.inject_fault else -1, stagewise=True)
+                L.check()
+            else:
+                run(args.inject_fault)
+            print(f"-- {label}: no stall ({(time.perf_counter() - t0) * 1e3:.1f} ms wall, the launch object's first)")
+            rec = L.record()
+            print("   boxes:", box_summary(L, rec.last_tag))
+        except HandoffTimeout as e:
+            print(f"-- {label}: {e}")
+            print(explain(L))
+            print("   boxes (consumer 0):", box_summary(L, L.record().wanted))
+        if device == "cuda":
+            torch.cuda.synchronize()
+    if args.profile and device == "cuda":
+        profile(L, run, args.profile)
+        L2, run2 = build(args.kind, cfg, args.tp, args.rows, args.weights, args.pos, device)
+        t0 = time.perf_counter()
+        run2()
+        torch.cuda.synchronize()
+        print(f"   a second launch object, same build: first launch {(time.perf_counter() - t0) * 1e3:.1f} ms wall")
+    return 0
+
+
+def profile(L, run, n):
+    """Wall time of n checked persistent launches, then the per-stage time of one stage-by-stage launch."""
+    import time
+    import torch
+    from sync import HandoffTimeout
+    walls = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            run()
+            ok = "ok"
+        except HandoffTimeout as e:
+            ok = str(e)
+        torch.cuda.synchronize()
+        walls.append(f"{(time.perf_counter() - t0) * 1e3:.2f} ms ({ok[:60]})")
+    print("   persistent launch wall:", "; ".join(walls))
+    for rep in range(2):                                  # the first pass warms each span's launch
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(L.n_stages + 1)]
+        ev[0].record()
+        for s in range(L.n_stages):
+            L.enqueue_span(s, s + 1, s == L.n_stages - 1)
+            ev[s + 1].record()
+        torch.cuda.synchronize()
+    us = [ev[s].elapsed_time(ev[s + 1]) * 1e3 for s in range(L.n_stages)]
+    names = L.schedule.stage_names
+    print(f"   stage by stage, us (sum {sum(us):.0f}; each a separate launch): "
+          + " ".join(f"{names[s]}={us[s]:.0f}" for s in range(L.n_stages)))
+    L.check()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
