@@ -61,6 +61,7 @@ class BenchCase:
     bytes_read: int                   # bytes one launch must read (weights + scales + activations)
     info: dict = field(default_factory=dict)   # extra columns (shape, config, registers...)
     floor: bool = True                # False: a baseline shown beside, not judged
+    checks: list[Callable[[], object]] = field(default_factory=list)   # raise if a timed launch stalled
 
 
 # ------------------------------------------------------------------------------------- measuring
@@ -118,7 +119,17 @@ def time_interleaved(cases: list[BenchCase], reps: int = 16, windows: int = 15) 
         torch.cuda.synchronize()
         for n, s, e in evs:
             samples[n].append(s.elapsed_time(e) * 1e3 / reps)
+    check_launches(cases)
     return {n: statistics.median(v) for n, v in samples.items()}
+
+
+def check_launches(cases: list[BenchCase]) -> None:
+    """Raise (HandoffTimeout) if a timed launch recorded a stall: a stalled launch ends early, so its time
+    is no launch's time (a 1 s budget once overflowed at the late wait sites and every timed sparse TP 8
+    and nextn launch aborted; docs/DECISIONS.md)."""
+    for c in cases:
+        for check in c.checks:
+            check()
 
 
 def measure_read_bw(device: str = "cuda", reps: int = 16, windows: int = 9) -> tuple[float, dict]:
@@ -280,7 +291,7 @@ def build_tail(cfg, tp: int, rows: int, weights: str, device: str, opts: dict | 
             "err": f"{err:.1e}"}
     bytes_read = one + rows * cfg.hc_mult * H * 4 + H * 2
     cases = [BenchCase(f"tail launch tp{tp} rows{rows} {info['fmt']}", [lambda L=L: L.enqueue() for L in launches],
-                       bytes_read, info)]
+                       bytes_read, info, checks=[L.check for L in launches])]
     if not fp8:                                              # what an engine does today, in a graph
         def torch_tail(W, X=X, out=torch.empty(rows, V, device=device, dtype=torch.bfloat16)):
             m = X.mean(1)
@@ -412,13 +423,15 @@ def build_layer(kind: str, cfg, tp: int, rows: int, weights: str, device: str, o
         fns = [lambda f=f: (flush(), f()) for f in fns]
         bfns = [lambda f=f: (flush(), f()) for f in bfns]
         info["minus"] = cases[0].name
-    cases.insert(0, BenchCase(label, fns, nbytes, info))
+    checks = [L.check for L in launches] + [L.tail_launch.check for L in launches if kind == "nextn"]
+    cases.insert(0, BenchCase(label, fns, nbytes, info, checks=checks))
     if kind == "nextn":
         nb = sum(lb.launch_bytes(kind, cfg, tp, rows, fmt, pos, n_routed, logits=False).values())
         f2 = [lambda L=L: L.enqueue() for L in launches]
         if mode == "flush" and not dry:
             f2 = [lambda L=L: (flush(), L.enqueue()) for L in launches]
-        cases.insert(1, BenchCase("  nextn block only (no draft logits)", f2, nb, dict(info), floor=False))
+        cases.insert(1, BenchCase("  nextn block only (no draft logits)", f2, nb, dict(info), floor=False,
+                                  checks=[L.check for L in launches]))
     if bfns:
         moe = f", MoE {bases[0].ffn.mode}" if getattr(bases[0].ffn, "mode", None) else ""
         cases.insert(1 + (kind == "nextn"), BenchCase(f"  torch ops {kind} (cuBLAS bf16{moe})", bfns, nbytes,

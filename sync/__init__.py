@@ -6,8 +6,8 @@
 - `sync.guard`: host side: `SiteRegistry`, `HandoffTimeout`, the error-record decoder.
 - `sync.selftest`: a protocol kernel exercising all of it (tests, stress).
 """
-from .guard import DEFAULT_TIMEOUT_S, FIRST_LAUNCH_TIMEOUT_S, HandoffTimeout, Record, SiteRegistry, check_record, read_record, timeout_ns
+from .guard import DEFAULT_TIMEOUT_S, HandoffTimeout, Record, SiteRegistry, check_record, read_record, timeout_ns
 from .header import HEADER_LINES, HEADER_WORDS
 
-__all__ = ["DEFAULT_TIMEOUT_S", "FIRST_LAUNCH_TIMEOUT_S", "HEADER_LINES", "HEADER_WORDS", "HandoffTimeout", "Record", "SiteRegistry",
+__all__ = ["DEFAULT_TIMEOUT_S", "HEADER_LINES", "HEADER_WORDS", "HandoffTimeout", "Record", "SiteRegistry",
            "check_record", "read_record", "timeout_ns"]

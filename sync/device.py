@@ -132,8 +132,12 @@ def staggered_budget(budget_ns, site):
     site than the consumers further downstream, which stall only because of it. Every waiter starts
     at about the same time, so without the stagger whichever CTA's clock ran out first claimed the
     error record, often a downstream one (seen on the H200: a fault at dense.hp1 reported dense.a_in).
-    With it the waiter at the stalled site times out first, records the site, and aborts the rest."""
-    return budget_ns + site * (budget_ns >> 4)
+    With it the waiter at the stalled site times out first, records the site, and aborts the rest.
+
+    In 64 bits: a budget under 2.147 s arrives as an i32 argument, and at 1 s the sum overflowed int32
+    from site #19 on, into a negative budget that failed those waits at once (tests/test_sync.py)."""
+    b = tl.full([], 0, tl.int64) + budget_ns
+    return b + site * (b >> 4)
 
 
 @triton.jit

@@ -11,10 +11,6 @@ from dataclasses import dataclass
 from . import header as H
 
 DEFAULT_TIMEOUT_S = 1.0
-# A launch object's first launch waits this long at least (unless it injects a fault): on the H200 the first
-# launch of a freshly built sparse / nextn launch ran for seconds before its steady ~1 ms (seen at TP 8 and
-# for nextn; docs/DECISIONS.md), so a 1 s budget reported a stall that was only a slow first run.
-FIRST_LAUNCH_TIMEOUT_S = 30.0
 
 
 class HandoffTimeout(Exception):

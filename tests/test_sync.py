@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from sync import HandoffTimeout, SiteRegistry, read_record, timeout_ns
+from sync.device import staggered_budget
 from sync.selftest import SITES, SelfTest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,3 +130,21 @@ def test_sm90_ptx_spin_has_no_cta_barrier():
     assert "st.relaxed.gpu.global.b64" in ptx and "ld.relaxed.gpu.global.b64" in ptx
     assert "%globaltimer" in ptx
     assert spin_regions_without_barrier(ptx) == []
+
+
+@triton.jit
+def budget_kernel(out, budget_ns, site):
+    tl.store(out + tl.program_id(0), staggered_budget(budget_ns, site + tl.program_id(0)))
+
+
+@pytest.mark.parametrize("budget_s", [1.0, 2.0, 60.0])
+def test_staggered_budget_does_not_overflow(budget_s):
+    """The stagger is computed in 64 bits: a budget under 2.147 s reaches the kernel as an i32 argument,
+    and at 1 s the sites from #19 on overflowed int32 into a negative budget. On the H200 every wait at
+    those sites (sparse.xd, nextn.z/xe/xd) then "timed out" at once, while the schedules with at most
+    19 sites passed (docs/DECISIONS.md)."""
+    ns = timeout_ns(budget_s)
+    out = torch.zeros(64, dtype=torch.int64)
+    budget_kernel[(64,)](out, ns, 0)
+    want = [ns + s * (ns >> 4) for s in range(64)]
+    assert out.tolist() == want

@@ -182,32 +182,6 @@ def test_fault_injection_every_site_then_clean(tiny_cfg, gen):
         L.run(X, inject_fault="tail.nope")
 
 
-def test_first_launch_budget(tiny_cfg, gen, monkeypatch):
-    """A launch object's first clean launch waits FIRST_LAUNCH_TIMEOUT_S at least; later launches, and a
-    first launch that injects a fault, wait their own budget (sync/guard.py says why)."""
-    from sync import FIRST_LAUNCH_TIMEOUT_S
-    W, _, _, nw = _weights(tiny_cfg, gen)
-    X = torch.randn(1, 4, tiny_cfg.hidden_size, generator=gen)
-    seen = []
-    real = TailLaunch.enqueue_span
-
-    def spy(self, *a, **k):
-        seen.append(self._timeout_ns)
-        return real(self, *a, **k)
-    monkeypatch.setattr(TailLaunch, "enqueue_span", spy)
-    L = TailLaunch(tiny_cfg, W, nw, width=1, timeout_s=0.5)
-    L.run(X)
-    n = len(seen)                                   # spans of one launch (one per stage on the CPU)
-    L.run(X)
-    assert seen[:n] == [int(FIRST_LAUNCH_TIMEOUT_S * 1e9)] * n and seen[n:] == [int(0.5e9)] * n
-    assert L.timeout_s == 0.5
-    seen.clear()
-    F = TailLaunch(tiny_cfg, W, nw, width=1, timeout_s=0.5)
-    with pytest.raises(HandoffTimeout):
-        F.run(X, inject_fault=list(F.sites)[0])
-    assert set(seen) == {int(0.5e9)}
-
-
 def test_bad_inputs_are_refused(tiny_cfg, gen):
     H, V = tiny_cfg.hidden_size, tiny_cfg.vocab_size
     W, _, Wref, nw = _weights(tiny_cfg, gen)

@@ -124,6 +124,8 @@ def test_timed_path_with_fake_timer(monkeypatch, capsys, tmp_path):
             for f in c.fns[:2]:
                 f()
             calls.append((c.name, len(c.fns)))
+            assert c.checks or not c.floor              # every judged launch is checked after its timing
+        tl.check_launches(cases)
         return {c.name: (5.0 if "flush" in c.name else 20.0) for c in cases}
 
     monkeypatch.setattr(tl, "DEVICE", "cpu")
@@ -159,3 +161,20 @@ def test_timed_path_with_fake_timer(monkeypatch, capsys, tmp_path):
     assert tl.main(["--kind", "step", "--preset", "tiny", "--from", str(tmp_path / "step.txt")]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"]
     assert again == step
+
+
+def test_check_launches_refuses_a_stalled_timed_launch(tiny_cfg, gen):
+    """A timed launch that recorded a stall makes the timing fail instead of reporting its (short) time."""
+    import time_layers as tl
+    from glm53_flash.launches.tail import TailLaunch
+    from sync import HandoffTimeout
+    H, V = tiny_cfg.hidden_size, tiny_cfg.vocab_size
+    L = TailLaunch(tiny_cfg, torch.randn(V, H, generator=gen).bfloat16(), torch.ones(H).bfloat16(), width=1)
+    X = torch.randn(1, 4, H, generator=gen)
+    L.run(X)
+    case = tl.BenchCase("tail", [L.enqueue], 1, checks=[L.check])
+    tl.check_launches([case])                                    # clean: nothing raised
+    L.set_input(X)
+    L.enqueue(L.fault_id(list(L.sites)[0]))                      # a timed launch that stalls
+    with pytest.raises(HandoffTimeout):
+        tl.check_launches([case])

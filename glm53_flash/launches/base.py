@@ -18,7 +18,7 @@ import triton
 
 from layout import Planner
 from sync import HEADER_LINES, SiteRegistry, check_record, read_record, timeout_ns
-from sync.guard import DEFAULT_TIMEOUT_S, FIRST_LAUNCH_TIMEOUT_S
+from sync.guard import DEFAULT_TIMEOUT_S
 
 from .. import schedule as sched_mod
 
@@ -52,7 +52,6 @@ class Launch:
         self.timeout_s = timeout_s
         self.tag_stride, self.tag_offset, self.bump = tag_stride, tag_offset, bool(bump)
         self._resident: dict = {}
-        self._launched = False             # the first launch gets FIRST_LAUNCH_TIMEOUT_S (see enqueue)
 
     # ------------------------------------------------------------------ subclass hooks
     def build_graph(self) -> sched_mod.TaskGraph:
@@ -128,15 +127,8 @@ class Launch:
     def enqueue(self, fault_site: int = -1, stagewise: bool | None = None) -> None:
         """Enqueue one logical launch (no sync, no check): CUDA-graph capturable on the GPU."""
         spans = self.spans(stagewise)
-        saved = self._timeout_ns
-        if not self._launched and fault_site < 0:       # a slow first run is not a stall (sync/guard.py)
-            self._timeout_ns = max(saved, timeout_ns(FIRST_LAUNCH_TIMEOUT_S))
-        try:
-            for i, (lo, hi) in enumerate(spans):
-                self.enqueue_span(lo, hi, i == len(spans) - 1, fault_site)
-        finally:
-            self._timeout_ns = saved
-            self._launched = True
+        for i, (lo, hi) in enumerate(spans):
+            self.enqueue_span(lo, hi, i == len(spans) - 1, fault_site)
 
     def check(self):
         """Raise HandoffTimeout if the latest launch recorded a timeout; returns the header record."""
