@@ -23,7 +23,6 @@ if not os.path.exists("/dev/nvidiactl"):      # no GPU: kernels run under the in
 def build(kind, cfg, tp, rows, fmt, pos, device):
     import torch
     import layer_baselines as lb
-    from glm53_flash.launches import build_launch  # noqa: F401  (registry import order)
     from glm53_flash.launches.dense import DenseLaunch
     from glm53_flash.launches.embed import EmbedLaunch
     from glm53_flash.launches.kda import KdaLaunch
