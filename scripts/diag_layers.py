@@ -4,6 +4,7 @@ Then the same inputs once more stage by stage (one launch per stage, as CPU mode
 stall of the single persistent launch (ordering between CTAs) from one of the code path itself.
 
   python scripts/diag_layers.py --kind nextn --tp 1 --rows 1 --pos 640          (GPU)
+  python scripts/diag_layers.py --kind dense --tp 8 --trace                      (GPU: where the time goes)
   python scripts/diag_layers.py --kind sparse --tp 2 --rows 2 --preset tiny --pos 27 \\
          --inject-fault sparse.xd                                                 (CPU, interpreter)
 """
@@ -69,6 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--inject-fault", default=None, help="a wait site to fault (checks the report on a known stall)")
     ap.add_argument("--num-warps", type=int, default=None)
     ap.add_argument("--timeout", type=float, default=None, help="wait budget in seconds (default the launch's)")
+    ap.add_argument("--trace", action="store_true",
+                    help="then one traced launch (TRACE build): per stage / family times and the critical path "
+                         "(glm53_flash/launches/trace.py)")
     ap.add_argument("--profile", type=int, default=0,
                     help="GPU: after the checks, time N more persistent launches (wall) and one stage-by-stage "
                          "launch per stage with CUDA events (where the time of a launch goes)")
@@ -106,6 +110,13 @@ def main(argv=None) -> int:
             print("   boxes (consumer 0):", box_summary(L, L.record().wanted))
         if device == "cuda":
             torch.cuda.synchronize()
+    if args.trace:
+        from glm53_flash.launches.trace import report
+        L.enable_trace()
+        for _ in range(3):                                 # the TRACE build compiles and warms up first
+            run()
+        print(report(L))
+        L.enable_trace(False)
     if args.profile and device == "cuda":
         profile(L, run, args.profile)
         L2, run2 = build(args.kind, cfg, args.tp, args.rows, args.weights, args.pos, device)

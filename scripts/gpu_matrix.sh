@@ -6,7 +6,9 @@
 #   phase B: time_layers over the matrix (scripts/time_matrix.py), alone on the GPU, until DEADLINE
 #            seconds after the start;
 #   then the Triton cache is packed for the next call (parts; cat them into .triton_cache.tgz and carry it).
+#   first (alone on the GPU): a traced launch of each TRACES entry (kind:tp, scripts/diag_layers.py --trace).
 # Env: PHASE_A=0 skips the tests; TESTS="spec ..." overrides the test groups ("file::-k expr" each);
+#      TRACES="kind:tp ..." (default "dense:8 kda:1 kda:8 sparse:1 sparse:8", empty: none);
 #      TIMING="argsets" (';'-separated time_matrix argument sets) overrides the timing plan.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -19,11 +21,20 @@ S="$OUT/summary.txt"; W=/tmp/gpu_matrix; rm -rf $W; mkdir -p $W
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader; } > "$S" 2>&1
 el() { echo $(( $(date +%s) - T0 )); }
 
+for kt in ${TRACES-dense:8 kda:1 kda:8 sparse:1 sparse:8}; do
+  echo "##### trace ${kt%%:*} tp ${kt#*:}" >> "$OUT/trace.log"
+  timeout 90 python3 scripts/diag_layers.py --kind ${kt%%:*} --tp ${kt#*:} --rows 1 --pos 8191 --trace 2>&1 \
+    | grep -v "task#" >> "$OUT/trace.log"
+done
+[ -f "$OUT/trace.log" ] && echo "=== traces done at $(el) s" >> "$S"
+
 if [ "${PHASE_A:-1}" = 1 ]; then
-  groups=()
+  groups=()                        # DSA kinds split by position: their cases are the slow ones
   for tp in tp1 tp8; do for f in bf16 fp8; do
-    groups+=("tests/test_launch_sparse.py::$tp and $f" "tests/test_launch_nextn.py::$tp and $f"
-             "tests/test_launch_kda.py::$tp and $f" "tests/test_launch_dense.py tests/test_launch_embed.py::$tp and $f")
+    for p in 640 8191 65535; do
+      groups+=("tests/test_launch_sparse.py::$tp and $f and $p" "tests/test_launch_nextn.py::$tp and $f and $p")
+    done
+    groups+=("tests/test_launch_kda.py::$tp and $f" "tests/test_launch_dense.py tests/test_launch_embed.py::$tp and $f")
   done; done
   [ -n "${TESTS:-}" ] && IFS=';' read -ra groups <<< "$TESTS"
   i=0

@@ -228,3 +228,21 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns)
     if nbad != 0:
         record_timeout(hdr, tag, site, cta, tag, seen)
     return ok
+
+
+# ---------------------------------------------------------------------- trace (where a launch's time goes)
+@triton.jit
+def trace_clock(i):
+    """A trace timestamp: %globaltimer ns on the GPU. The interpreter has no clock; it stores i + 1, which
+    keeps the CPU tests' checks (every traced row written, start <= end) meaningful."""
+    if in_interpreter():
+        return (i + 1).to(tl.int64)
+    else:
+        return globaltimer()
+
+
+@triton.jit
+def trace_store(trace, row, t_start, i):
+    """Row `row` of the trace buffer [rows, 2] int64: (start, end = now)."""
+    tl.store(trace + 2 * row, t_start)
+    tl.store(trace + 2 * row + 1, trace_clock(i))

@@ -50,6 +50,30 @@ def test_kda_batch_and_grid_invariance(tiny_cfg, tiny_weights, tiny_ref, gen, on
     assert torch.equal(c[0], a[1]) and torch.equal(S1[0], S2[1]) and torch.equal(W1[0], W2[1])
 
 
+def test_kda_trace_every_task_same_bits(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
+    """A traced launch (TRACE build) gives the same bits and a (start, end) row for every task and CTA;
+    the report names every stage and walks a critical path that ends at the last task."""
+    from glm53_flash.launches.trace import critical_path, read, report
+    X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 2, gen)
+    S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
+    L = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=2)
+    plain = L.run(X, S.clone(), W.clone(), commit=False)
+    with pytest.raises(RuntimeError, match="not tracing"):
+        read(L)
+    L.enable_trace()
+    traced = L.run(X, S.clone(), W.clone(), commit=False)
+    assert torch.equal(plain, traced)
+    assert bool((L.trace_buf >= 0).all()) and bool((L.trace_buf[:, 0] <= L.trace_buf[:, 1]).all())
+    times, ctas = read(L)
+    assert sorted(t.task for t in times) == list(range(len(L.schedule.tasks))) and len(ctas) == L.grid
+    text = report(L)
+    assert all(n in text for n in L.schedule.stage_names) and "critical path" in text
+    path = critical_path(L, times)
+    assert path[-1][0].end == max(t.end for t in times) and path[0][1] == "first"
+    L.enable_trace(False)
+    assert torch.equal(L.run(X, S.clone(), W.clone(), commit=False), plain)
+
+
 def test_kda_fault_every_site_then_clean(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
     X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 1, gen)
     S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
@@ -148,7 +172,7 @@ def real_consts(tp=1, moe=False, embed=False, fp8=False, warps=4, maxnreg=DEFAUL
              CK=32, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=3, BLOCK_C=32, GATE_BH=512, ITERS=20, ROWS_PAD=8,
              EMBED=embed, ACT_F32=False, MOE=moe, E=288 if moe else 1, KE=8 if moe else 1,
              I_E=(2048 // tp) if moe else 1, E_PAD=512 if moe else 1, K_PAD=8 if moe else 1, RENORM=True, BLOCK_E=16,
-             RCK=32)
+             RCK=32, TRACE=False)
     return dict(name=f"{'kda' if moe else 'embed' if embed else 'dense'}-tp{tp}-{'fp8' if fp8 else 'bf16'}-w{warps}",
                 consts=c, fp8=fp8, warps=warps, maxnreg=maxnreg)
 

@@ -497,7 +497,8 @@ def sm90_spec(nextn=False, tp=1, fp8=False, warps=4, block_t=32):
                 TOPK=512, WIDTH=2051, I=I, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=3, BLOCK_C=32, GATE_BH=512,
                 ITERS=20, ROWS_PAD=8, ACT_F32=False, ABS_C=64, ABS_CK=64, HB=min(16, NH), BLOCK_T=block_t, ATT_CK=32,
                 OUT_N=64, OUT_PF=128, BLOCK_P=16, T_MAX=16, BITS=8, SEL_BLOCK=1024, NORM_BLOCK=256, E=288, KE=8,
-                I_E=I, E_PAD=512, K_PAD=8, RENORM=True, BLOCK_E=16, RCK=32, NEXTN=nextn)
+                I_E=I, E_PAD=512, K_PAD=8, RENORM=True, BLOCK_E=16, RCK=32, NEXTN=nextn,
+                TRACE=False)
     assert set(real) == set(const), set(real) ^ set(const)
     sig.update({n: "constexpr" for n in real})
     return ["glm53_flash.launches.sparse_layer", "sparse_layer_kernel", {n: sig[n] for n in k.arg_names}, real, warps]
@@ -539,3 +540,18 @@ def test_gpu_check_path_on_cpu_tp2_loopback(tiny_cfg, tiny_weights, gen, one_thr
     errs = sparse_layer_check(tiny_cfg, LAYER, [25, 22], 2, "bf16", device="cpu", widths=(2,),
                               fault_sites=["sparse.xd"])
     assert all(v <= TOL_BF16 for v in errs.values()), errs
+
+
+def test_sparse_trace_same_bits(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
+    """The TRACE build of the DSA kernel: same bits, a row for every task (launches/trace.py)."""
+    from glm53_flash.launches.trace import read, report
+    X, caches, slots = make_caches(tiny_cfg, tiny_ref, [25], gen)
+    L = SparseLaunch(tiny_cfg, tiny_weights, LAYER, width=1, max_len=MAX_LEN)
+    outs = []
+    for trace in (False, True):
+        L.enable_trace(trace)
+        c = caches.clone()
+        outs.append(L.run(X, *layer_caches(c, 0), [25], slots))
+    assert torch.equal(outs[0], outs[1])
+    times, _ = read(L)
+    assert len(times) == len(L.schedule.tasks) and "critical path" in report(L)

@@ -52,6 +52,7 @@ class Launch:
         self.timeout_s = timeout_s
         self.tag_stride, self.tag_offset, self.bump = tag_stride, tag_offset, bool(bump)
         self._resident: dict = {}
+        self.trace_buf = None             # int64 [table rows + grid, 2] when tracing (enable_trace)
 
     # ------------------------------------------------------------------ subclass hooks
     def build_graph(self) -> sched_mod.TaskGraph:
@@ -82,6 +83,24 @@ class Launch:
         self.table = table.to(self.device)
         self.starts = starts.to(self.device)
         self.n_stages = len(self.schedule.stage_names)
+
+    # ------------------------------------------------------------------ tracing
+    def enable_trace(self, on: bool = True) -> None:
+        """Kernels that support it (the layer kinds) record (start, end) %globaltimer ns of every task in
+        row = its table row, and of every CTA's whole run in row n_tasks + pid (launches/trace.py reads
+        it). A different build of the kernel (TRACE is a constexpr): off, the kernel has no trace code."""
+        import torch
+        n = int(self.starts[-1]) + self.grid
+        self.trace_buf = torch.full((n, 2), -1, dtype=torch.int64, device=self.device) if on else None
+
+    def trace_args(self) -> tuple:
+        """(trace buffer, TRACE) for kernel_args: a 2-word dummy when not tracing (never touched)."""
+        import torch
+        if self.trace_buf is None:
+            if getattr(self, "_no_trace", None) is None:
+                self._no_trace = torch.zeros(2, dtype=torch.int64, device=self.device)
+            return self._no_trace, False
+        return self.trace_buf, True
 
     @property
     def header(self):

@@ -44,7 +44,7 @@ of the task loop's scalars). Same loads, sums and orders as before: the bits do 
 import triton
 import triton.language as tl
 
-from sync.device import launch_begin, launch_end
+from sync.device import launch_begin, launch_end, trace_clock, trace_store
 
 from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO, M_XMID, act_at,
                   down_task, expert_task, f32_at, gate_task, gemv_tile, gu_task, hc_pre_task, l2_prefetch_rows,
@@ -137,18 +137,20 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                      W_in, S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w, W_o,
                      W_g, S_g, W_u, S_u, W_d, S_d, W_r, bias_r, w_gu, s_gu, w_de, s_de,
                      rows, width, tp_rank, tp_size, eps, hc_eps, lower_bound, swiglu_limit, scaling,
-                     stage_lo, stage_hi, bump, tag_stride, tag_offset, fault_site, timeout_ns,
+                     stage_lo, stage_hi, bump, tag_stride, tag_offset, fault_site, timeout_ns, trace,
                      H: tl.constexpr, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr, N_IN: tl.constexpr,
                      I: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
                      CK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr,
                      NUM_STAGES: tl.constexpr, BLOCK_C: tl.constexpr, GATE_BH: tl.constexpr, ITERS: tl.constexpr,
                      ROWS_PAD: tl.constexpr, EMBED: tl.constexpr, ACT_F32: tl.constexpr, MOE: tl.constexpr,
                      E: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                     RENORM: tl.constexpr, BLOCK_E: tl.constexpr, RCK: tl.constexpr):
+                     RENORM: tl.constexpr, BLOCK_E: tl.constexpr, RCK: tl.constexpr, TRACE: tl.constexpr):
     pid = tl.program_id(0)
     # Region pointers are formed inside each family from the meta words (cheap cached loads), never
     # hoisted here: ~25 pointers live across the task loop cost ~50 registers in every family.
     hdr = scratch + tl.load(meta + M_HDR)
+    if TRACE:
+        t_cta = trace_clock(pid)
     tag, ok = launch_begin(hdr, tag_stride, tag_offset)
     rdy = 0            # bit b: this CTA already passed the wait on box b
     i = tl.load(starts + pid)
@@ -156,6 +158,8 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
     while (i < end) & (ok != 0):
         fam, st, a0, a1, a2, a3, a4 = task_entry(table, i)
         if (st >= stage_lo) & (st < stage_hi):
+            if TRACE:                                      # where the launch's time goes
+                t_task = trace_clock(i)
             if fam == 0:                                   # part: column tiles a0 .. a0 + a1 - 1, producer a2
                 hc_pre_task(_streams(X, scratch, meta, EMBED), fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2,
                             tag, fault_site, H, ROWS_PAD, BLOCK_N, BLOCK_C, EMBED)
@@ -215,5 +219,9 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                     ok, rdy = moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, tp_rank,
                                             tp_size, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, E, H, I,
                                             I_E, KE, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32, False, 0)
+            if TRACE:
+                trace_store(trace, i, t_task, i)
         i += 1
+    if TRACE:                                          # this CTA's whole run: row n_tasks + pid
+        trace_store(trace, tl.load(starts + tl.num_programs(0)) + pid, t_cta, pid)
     launch_end(hdr, bump)

@@ -395,8 +395,9 @@ class KdaLayerLaunch(Launch):
                 self.W_r, self.bias_r, self.w_gu, self.s_gu, self.w_de, self.s_de,
                 self.rows, self.width, self.tp_rank, self.tp_size, float(cfg.rms_norm_eps), float(cfg.hc_eps),
                 float(cfg.linear_lower_bound), float(cfg.swiglu_limit), float(cfg.routed_scaling_factor),
-                stage_lo, stage_hi, bump, self.tag_stride, self.tag_offset, fault_site, self._timeout_ns)
-        const = dict(H=self.H, D=self.D, NH=self.NH, R=self.R, N_IN=self.N_IN, I=self.I, DK=self.DK, DV=self.DK,
+                stage_lo, stage_hi, bump, self.tag_stride, self.tag_offset, fault_site, self._timeout_ns,
+                self.trace_args()[0])
+        const = dict(TRACE=self.trace_args()[1], H=self.H, D=self.D, NH=self.NH, R=self.R, N_IN=self.N_IN, I=self.I, DK=self.DK, DV=self.DK,
                      BV=self.BV, KC=self.KC, CK=32, BLOCK_N=self.block_n, BLOCK_K=self.block_k, PF_K=128,
                      NUM_STAGES=self.num_stages, BLOCK_C=self.block_c, GATE_BH=self.gate_bh,
                      ITERS=cfg.hc_sinkhorn_iters, ROWS_PAD=ROWS_PAD, EMBED=self.embed,

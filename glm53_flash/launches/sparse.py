@@ -329,7 +329,7 @@ class SparseLaunch(KdaLaunch):
                 float(cfg.swiglu_limit), float(cfg.routed_scaling_factor), float(cfg.qk_head_dim ** -0.5),
                 lat.stride(0), pk.stride(0), tail.stride(0), self.pmax, self.sel_chunk, sp.n_splits,
                 sp.tokens_per_task, stage_lo, stage_hi, bump, self.tag_stride, self.tag_offset, fault_site,
-                self._timeout_ns)
+                self._timeout_ns, self.trace_args()[0])
         out_pf = min(self.C, 128)
         const = dict(H=self.H, QL=self.QL, C=self.C, DI=self.DI, NI=self.NI, NA=self.NA, NH=self.NHA, DN=self.DN,
                      DV=self.DV, NQ=self.NQ, KP=self.KP, TOPK=self.TOPK, WIDTH=self.WIDTH, I=self.I,
@@ -341,7 +341,7 @@ class SparseLaunch(KdaLaunch):
                      self.device.type != "cpu" else 64, NORM_BLOCK=256 if self.device.type != "cpu" else 64,
                      E=self.E, KE=self.KE, I_E=self.I_E, E_PAD=triton.next_power_of_2(self.E),
                      K_PAD=triton.next_power_of_2(self.KE), RENORM=bool(cfg.norm_topk_prob), BLOCK_E=16, RCK=32,
-                     NEXTN=self.NEXTN)
+                     NEXTN=self.NEXTN, TRACE=self.trace_args()[1])
         return args, const
 
     # ------------------------------------------------------------------ run

@@ -25,7 +25,7 @@ xmid) instead of hc_post; ln_row 1 (post_attention_layernorm) replaces gate_ffn;
 import triton
 import triton.language as tl
 
-from sync.device import launch_begin, launch_end
+from sync.device import launch_begin, launch_end, trace_clock, trace_store
 
 from ..kernels.indexer import idx_score_pools, topk_hist_pass, topk_write
 from ..kernels.mla import mla_absorb_finish, mla_absorb_prefetch, mla_attend_2pass, mla_join_out, mla_out_prefetch
@@ -69,7 +69,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         kv_b, S_kvb, W_o, S_o, W_g, S_g, W_u, S_u, W_d, S_d, W_r, bias_r, w_gu, s_gu, w_de, s_de,
                         rows, width, tp_rank, tp_size, eps, hc_eps, swiglu_limit, scaling, att_scale,
                         lat_ss, pk_ss, tail_ss, pmax, sel_chunk, n_splits, tpt,
-                        stage_lo, stage_hi, bump, tag_stride, tag_offset, fault_site, timeout_ns,
+                        stage_lo, stage_hi, bump, tag_stride, tag_offset, fault_site, timeout_ns, trace,
                         H: tl.constexpr, QL: tl.constexpr, C: tl.constexpr, DI: tl.constexpr, NI: tl.constexpr,
                         NA: tl.constexpr, NH: tl.constexpr, DN: tl.constexpr, DV: tl.constexpr, NQ: tl.constexpr,
                         KP: tl.constexpr, TOPK: tl.constexpr, WIDTH: tl.constexpr, I: tl.constexpr,
@@ -80,12 +80,14 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         BLOCK_P: tl.constexpr, T_MAX: tl.constexpr, BITS: tl.constexpr, SEL_BLOCK: tl.constexpr,
                         NORM_BLOCK: tl.constexpr, E: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr,
                         E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                        RCK: tl.constexpr, NEXTN: tl.constexpr):
+                        RCK: tl.constexpr, NEXTN: tl.constexpr, TRACE: tl.constexpr):
     pid = tl.program_id(0)
     DO: tl.constexpr = NH * DV
     PASSES: tl.constexpr = (32 + BITS - 1) // BITS
     HIST_W: tl.constexpr = PASSES * T_MAX * (1 << BITS)
     hdr = scratch + tl.load(meta + M_HDR)
+    if TRACE:
+        t_cta = trace_clock(pid)
     tag, ok = launch_begin(hdr, tag_stride, tag_offset)
     rdy = 0            # bit b: this CTA already passed the wait on box b (one register, not 21)
     i = tl.load(starts + pid)
@@ -93,6 +95,8 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
     while (i < end) & (ok != 0):
         fam, st, a0, a1, a2, a3, a4 = task_entry(table, i)
         if (st >= stage_lo) & (st < stage_hi):
+            if TRACE:                                      # where the launch's time goes
+                t_task = trace_clock(i)
             if fam == 0:                                   # part: column tiles a0 .. a0 + a1 - 1, producer a2
                 if not NEXTN:
                     hc_pre_task(X, fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2, tag, fault_site, H,
@@ -296,5 +300,9 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         ok, rdy = waitb(scratch, meta, B_Z, rdy, pid, tag, hdr, timeout_ns)
                         if (ok != 0) & (a0 < rows):
                             rms_row(X_out + a0 * H, shn, n_out + a0 * H, H, eps, NORM_BLOCK)
+            if TRACE:
+                trace_store(trace, i, t_task, i)
         i += 1
+    if TRACE:                                          # this CTA's whole run: row n_tasks + pid
+        trace_store(trace, tl.load(starts + tl.num_programs(0)) + pid, t_cta, pid)
     launch_end(hdr, bump)

@@ -1,0 +1,108 @@
+"""Where a launch's time goes, from its trace (`Launch.enable_trace()`, then one launch).
+
+The kernel records (start, end) %globaltimer ns for every task it ran, in the row of the task table
+the task came from, and for every CTA's whole run. From that this module gives: the launch's span, per
+stage the window its tasks ran in, per family the task durations, and the critical path: from the
+task that ended last, step back each time to whichever finished later, the task before it on its
+CTA or the last producer of a region it waits on, and show the gap before each step (the hand-off's
+latency, or a CTA busy with something else). %globaltimer ticks about every microsecond, so single
+tasks shorter than that read as 0-1 us; spans and paths are what it is for.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+
+@dataclass
+class TaskTime:
+    task: int          # schedule task id
+    cta: int
+    start: int         # ns from the launch's first CTA start
+    end: int
+
+
+def read(L) -> tuple[list[TaskTime], list[tuple[int, int]]]:
+    """(per traced task, per CTA (start, end)), in ns from the earliest CTA start. Tasks not run (other
+    stages, or after an abort) are left out."""
+    buf = L.trace_buf
+    if buf is None:
+        raise RuntimeError(f"{L.kind}: not tracing; call enable_trace() before the launch")
+    rows = buf.cpu().tolist()
+    n = sum(len(p) for p in L.schedule.programs)
+    ctas = rows[n: n + L.grid]
+    starts = [s for s, e in ctas if s >= 0] + [s for s, e in rows[:n] if s >= 0]
+    if not starts:
+        raise RuntimeError(f"{L.kind}: the trace is empty (no traced launch ran since enable_trace)")
+    t0 = min(starts)
+    out, r = [], 0
+    for c, prog in enumerate(L.schedule.programs):
+        for tid in prog:
+            s, e = rows[r]
+            if s >= 0 and e >= 0:
+                out.append(TaskTime(tid, c, s - t0, e - t0))
+            r += 1
+    return out, [(s - t0, e - t0) if s >= 0 else (-1, -1) for s, e in ctas]
+
+
+def critical_path(L, times: list[TaskTime]) -> list[tuple[TaskTime, str, int]]:
+    """[(task, what it started after, gap ns since that ended)] from the path's first task to the task
+    that ended last."""
+    by_id = {t.task: t for t in times}
+    tasks = L.schedule.tasks
+    prev_on_cta = {}
+    for prog in L.schedule.programs:
+        ran = [tid for tid in prog if tid in by_id]
+        for a, b in zip(ran, ran[1:]):
+            prev_on_cta[b] = a
+    writers: dict[str, list[int]] = {}
+    for t in tasks:
+        for w in t.writes:
+            if t.id in by_id:
+                writers.setdefault(w, []).append(t.id)
+    cur = max(times, key=lambda t: (t.end, t.task))
+    path, seen = [], {cur.task}
+    while True:
+        cands = []
+        if cur.task in prev_on_cta:
+            cands.append((by_id[prev_on_cta[cur.task]], "after the task before it on its CTA"))
+        for r in tasks[cur.task].reads:
+            if writers.get(r):
+                w = max((by_id[i] for i in writers[r]), key=lambda t: (t.end, t.task))
+                cands.append((w, f"after the last producer of {r!r}"))
+        cands = [(t, why) for t, why in cands if t.task not in seen]
+        if not cands:
+            path.append((cur, "first", 0))
+            break
+        pred, why = max(cands, key=lambda c: (c[0].end, c[0].task))
+        path.append((cur, why, cur.start - pred.end))
+        seen.add(pred.task)
+        cur = pred
+    path.reverse()
+    return path
+
+
+def report(L, max_path: int = 40) -> str:
+    times, ctas = read(L)
+    tasks, names = L.schedule.tasks, L.schedule.stage_names
+    us = lambda ns: f"{ns / 1e3:8.1f}"                       # noqa: E731
+    span = max(e for _, e in ctas if e >= 0) if any(e >= 0 for _, e in ctas) else max(t.end for t in times)
+    lines = [f"{L.kind}: {len(times)} tasks traced on {L.grid} CTAs, launch span {span / 1e3:.1f} us "
+             f"(from the first CTA's start to the last CTA's end)"]
+    lines.append("  stage              tasks   first start   last end   (us)")
+    for s, name in enumerate(names):
+        st = [t for t in times if tasks[t.task].stage == s]
+        if st:
+            lines.append(f"  {name:<18} {len(st):5d}  {us(min(t.start for t in st))}   {us(max(t.end for t in st))}")
+    lines.append("  family             tasks   median us   max us")
+    fams = sorted({tasks[t.task].family for t in times}, key=lambda f: L.schedule.families[f])
+    for f in fams:
+        d = [t.end - t.start for t in times if tasks[t.task].family == f]
+        lines.append(f"  {f:<18} {len(d):5d}  {us(statistics.median(d))}   {us(max(d))}")
+    path = critical_path(L, times)
+    lines.append(f"  critical path ({len(path)} tasks; gap = its start minus the end of what it started after):")
+    for t, why, gap in path[-max_path:]:
+        task = tasks[t.task]
+        lines.append(f"    {us(t.start)} .. {us(t.end)}  gap {us(gap)}  {task.family}{list(task.args)} "
+                     f"(stage {names[task.stage]}, CTA {t.cta}): {why}")
+    return "\n".join(lines)
