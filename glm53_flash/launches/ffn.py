@@ -320,17 +320,27 @@ def oproj_task(W_o, S_o, xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_si
     return ok, rdy
 
 
+@triton.jit
+def _rank_sum_tiles(xchg, y, a0, a1, rows, width, tp_rank, tp_size, tag, hdr, site, pid, timeout_ns,
+                    H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tiles a0 .. a0 + a1 - 1 of y [rows, H] = every rank's partial from mailbox xchg, added in rank
+    order (mixer_kda.xchg_sum), stopping at the first stalled tile. -> ok."""
+    ok = 1
+    j = 0
+    while (j < a1) & (ok != 0):
+        ok = xchg_sum(xchg, y, (a0 + j) * BLOCK_N, rows, width, tp_rank, tp_size, tag, hdr, site, pid, timeout_ns, H,
+                      ROWS_PAD, BLOCK_N)
+        j += 1
+    return ok
+
+
 @triton.jit(noinline=True)
 def post1_task(xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, pid, tag, hdr, timeout_ns,
                fault_site, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                NEXTN: tl.constexpr):
     """o_sum (TP > 1): rank-order sum of the xo tiles a0 .. a0 + a1 - 1 -> y1, then as oproj_task. -> ok."""
-    ok = 1
-    j = 0
-    while (j < a1) & (ok != 0):
-        ok = xchg_sum(xo, f32_at(scratch, meta, M_Y1), (a0 + j) * BLOCK_N, rows, width, tp_rank, tp_size, tag, hdr,
-                      tl.load(meta + M_SITE_XO), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
-        j += 1
+    ok = _rank_sum_tiles(xo, f32_at(scratch, meta, M_Y1), a0, a1, rows, width, tp_rank, tp_size, tag, hdr,
+                         tl.load(meta + M_SITE_XO), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
     if ok != 0:
         _post_mixer(xs, fn2, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, ROWS_PAD, BLOCK_N, BLOCK_C, NEXTN)
     return ok
@@ -395,12 +405,8 @@ def post2_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, 
                fault_site, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NEXTN: tl.constexpr,
                B_Z: tl.constexpr):
     """down_sum (TP > 1): rank-order sum of the xd tiles a0 .. a0 + a1 - 1 -> y2, then _post_ffn. -> ok."""
-    ok = 1
-    j = 0
-    while (j < a1) & (ok != 0):
-        ok = xchg_sum(xd, f32_at(scratch, meta, M_Y2), (a0 + j) * BLOCK_N, rows, width, tp_rank, tp_size, tag, hdr,
-                      tl.load(meta + M_SITE_XD), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
-        j += 1
+    ok = _rank_sum_tiles(xd, f32_at(scratch, meta, M_Y2), a0, a1, rows, width, tp_rank, tp_size, tag, hdr,
+                         tl.load(meta + M_SITE_XD), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
     if ok != 0:
         _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN, B_Z)
     return ok
