@@ -57,7 +57,7 @@ def run_case(time_layers, argv) -> dict:
         text = buf.getvalue()
         last = text.strip().splitlines()[-1] if text.strip() else "{}"
         rec = json.loads(last) if last.startswith("{") else {"error": f"no JSON record (rc {rc})"}
-    except Exception:                           # noqa: BLE001 - record it, go on with the matrix
+    except (Exception, SystemExit):             # noqa: BLE001 - record it (argparse exits), go on
         text = buf.getvalue()
         rec = {"error": traceback.format_exc(limit=6)}
     sys.stdout.write(text)

@@ -178,3 +178,23 @@ def test_check_launches_refuses_a_stalled_timed_launch(tiny_cfg, gen):
     L.enqueue(L.fault_id(list(L.sites)[0]))                      # a timed launch that stalls
     with pytest.raises(HandoffTimeout):
         tl.check_launches([case])
+
+
+def test_time_matrix_cases_and_records(tmp_path, capsys):
+    """time_matrix.py: the case list (positions only for the DSA kinds), one JSON record per case with its
+    argv, a failing case recorded and the matrix going on, and the deadline leaving cases unstarted."""
+    import argparse
+
+    import time_matrix as tm
+    ns = argparse.Namespace(kinds=["dense", "sparse"], weights=["bf16", "fp8"], tp=[1, 8], rows=[1], pos=[640, 8191],
+                            windows=3, reps=2, experts=None, max_copies=None, dry_run=False)
+    cases = tm.matrix(ns)
+    assert len(cases) == 2 * 2 + 2 * 2 * 2
+    assert all(("--pos" in c) == (c[1] == "sparse") for c in cases)
+    out = tmp_path / "t.jsonl"
+    assert tm.main(["--kinds", "dense,nope", "--dry-run", "--json-out", str(out)]) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert recs[0]["argv"][:2] == ["--kind", "dense"] and "error" not in recs[0] and recs[0]["rows"]
+    assert "error" in recs[1]                                     # argparse refused the unknown kind
+    assert tm.main(["--kinds", "dense", "--dry-run", "--deadline", "-1"]) == 0
+    assert "not started (deadline)" in capsys.readouterr().out
