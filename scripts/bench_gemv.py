@@ -23,8 +23,9 @@ import torch                     # noqa: E402
 import triton                    # noqa: E402
 import triton.language as tl     # noqa: E402
 
-from time_layers import (BenchCase, env_card, measure_read_bw, random_weight, read_cases, report,  # noqa: E402
-                         time_interleaved)
+from bench_timing import (BenchCase, env_card, measure_read_bw, read_cases, report,  # noqa: E402
+                          time_interleaved)
+from time_layers import random_weight                                                                          # noqa: E402
 from glm53_flash.kernels.gemv import TUNED, GemvConfig, gemv, gemv_kernel, is_even                             # noqa: E402
 
 

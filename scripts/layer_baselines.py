@@ -1,7 +1,7 @@
 """Layer kinds for scripts/time_layers.py: one rank's random weights made on the device, the bytes each
 launch must read (its floor, DESIGN.md §8), and the same layer as torch ops (the baseline).
 
-Why a module of its own: time_layers.py owns the measuring (read bandwidth, interleaved CUDA-graph
+Why a module of its own: bench_timing.py owns the measuring (read bandwidth, interleaved CUDA-graph
 timing, the card); this module owns what a layer *is* for a benchmark, so the byte accounting can be
 tested on the CPU against a hand count (tests/test_time_layers.py) without timing anything.
 

@@ -116,6 +116,7 @@ def test_timed_path_with_fake_timer(monkeypatch, capsys, tmp_path):
     import triton
     if not triton.knobs.runtime.interpret:
         pytest.skip("needs TRITON_INTERPRET=1 (CPU)")
+    import bench_timing as bt
     import time_layers as tl
     calls = []
 
@@ -125,7 +126,7 @@ def test_timed_path_with_fake_timer(monkeypatch, capsys, tmp_path):
                 f()
             calls.append((c.name, len(c.fns)))
             assert c.checks or not c.floor              # every judged launch is checked after its timing
-        tl.check_launches(cases)
+        bt.check_launches(cases)
         return {c.name: (5.0 if "flush" in c.name else 20.0) for c in cases}
 
     monkeypatch.setattr(tl, "DEVICE", "cpu")
@@ -165,19 +166,19 @@ def test_timed_path_with_fake_timer(monkeypatch, capsys, tmp_path):
 
 def test_check_launches_refuses_a_stalled_timed_launch(tiny_cfg, gen):
     """A timed launch that recorded a stall makes the timing fail instead of reporting its (short) time."""
-    import time_layers as tl
+    import bench_timing as bt
     from glm53_flash.launches.tail import TailLaunch
     from sync import HandoffTimeout
     H, V = tiny_cfg.hidden_size, tiny_cfg.vocab_size
     L = TailLaunch(tiny_cfg, torch.randn(V, H, generator=gen).bfloat16(), torch.ones(H).bfloat16(), width=1)
     X = torch.randn(1, 4, H, generator=gen)
     L.run(X)
-    case = tl.BenchCase("tail", [L.enqueue], 1, checks=[L.check])
-    tl.check_launches([case])                                    # clean: nothing raised
+    case = bt.BenchCase("tail", [L.enqueue], 1, checks=[L.check])
+    bt.check_launches([case])                                    # clean: nothing raised
     L.set_input(X)
     L.enqueue(L.fault_id(list(L.sites)[0]))                      # a timed launch that stalls
     with pytest.raises(HandoffTimeout):
-        tl.check_launches([case])
+        bt.check_launches([case])
 
 
 def test_time_matrix_cases_and_records(tmp_path, capsys):
