@@ -8,7 +8,7 @@
 #   then the Triton cache is packed for the next call (parts; cat them into .triton_cache.tgz and carry it).
 #   first (alone on the GPU): a traced launch of each TRACES entry (kind:tp, scripts/diag_layers.py --trace).
 # Env: PHASE_A=0 skips the tests; TESTS="spec ..." overrides the test groups ("file::-k expr" each);
-#      TRACES="kind:tp ..." (default "dense:8 kda:1 kda:8 sparse:1 sparse:8", empty: none);
+#      TRACES="kind:tp ..." (default "dense:8 kda:1 sparse:8", empty: none);
 #      TIMING="argsets" (';'-separated time_matrix argument sets) overrides the timing plan.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,7 +21,7 @@ S="$OUT/summary.txt"; W=/tmp/gpu_matrix; rm -rf $W; mkdir -p $W
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader; } > "$S" 2>&1
 el() { echo $(( $(date +%s) - T0 )); }
 
-for kt in ${TRACES-dense:8 kda:1 kda:8 sparse:1 sparse:8}; do
+for kt in ${TRACES-dense:8 kda:1 sparse:8}; do
   echo "##### trace ${kt%%:*} tp ${kt#*:}" >> "$OUT/trace.log"
   timeout 90 python3 scripts/diag_layers.py --kind ${kt%%:*} --tp ${kt#*:} --rows 1 --pos 8191 --trace 2>&1 \
     | grep -v "task#" >> "$OUT/trace.log"

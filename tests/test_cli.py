@@ -107,8 +107,10 @@ def test_all_layer_kernels_match_reference_and_survive_a_fault(tiny_dir, capsys)
 def test_default_kernels_are_the_gpu_checked_kinds(tiny_dir):
     from glm53_flash.runner import DEFAULT_KINDS, Runner
     r = Runner(str(tiny_dir))
-    assert set(r.kernels) == set(DEFAULT_KINDS) and "sparse" not in r.kernels
-    assert r.paths["sparse"] == "reference" and r.paths["kda"] == "kernel"
+    assert set(r.kernels) == set(DEFAULT_KINDS) == {"tail", "embed", "dense", "kda", "sparse"}
+    assert r.paths["sparse"] == "kernel" and r.paths["kda"] == "kernel"
+    r = Runner(str(tiny_dir), kinds=("tail", "kda"))
+    assert r.paths["sparse"] == "reference" and r.paths["dense"] == "reference"
 
 
 def test_unknown_kernel_kind(tiny_dir, capsys):
