@@ -106,3 +106,35 @@ def test_residency_formula_and_refusal():
     assert check_residency("tail", 132, n_regs=255, num_warps=8, shared=16384, n_sm=132) == 132
     with pytest.raises(ScheduleError, match="grid of 133 CTAs cannot be resident.*at most 132 CTAs fit on 132 SMs"):
         check_residency("tail", 133, n_regs=255, num_warps=8, shared=16384, n_sm=132)
+
+
+def test_trace_report_critical_path_with_known_times():
+    """launches/trace.py on a hand-made two-CTA schedule and trace (ns): the critical path follows the
+    later-finishing predecessor (program order or the last producer), with the gaps between."""
+    import types
+
+    import torch
+
+    from glm53_flash.launches.trace import critical_path, read, report
+    g = TaskGraph("demo", ["load", "mix", "out"])
+    g.stage("a")
+    a0 = g.add("load", (0,), writes=("x",), cta=0)
+    a1 = g.add("load", (1,), writes=("x",), cta=1)
+    g.stage("b")
+    b0 = g.add("mix", (0,), reads=("x",), writes=("y",), cta=0)
+    g.stage("c")
+    c1 = g.add("out", (0,), reads=("y",), cta=1)
+    sched = from_programs(g, 2, [[a0.id, b0.id], [a1.id, c1.id]])
+    # table rows: CTA 0's program, then CTA 1's; then one row per CTA
+    ns = {a0.id: (1000, 3000), b0.id: (9000, 12000), a1.id: (1000, 8000), c1.id: (15000, 16000)}
+    rows = [ns[t] for prog in sched.programs for t in prog] + [(1000, 12500), (1000, 16500)]
+    L = types.SimpleNamespace(kind="demo", grid=2, schedule=sched, trace_buf=torch.tensor(rows, dtype=torch.int64))
+    times, ctas = read(L)
+    assert ctas == [(0, 11500), (0, 15500)] and {t.task: (t.start, t.end) for t in times}[b0.id] == (8000, 11000)
+    path = critical_path(L, times)
+    # out waits on y (mix, ends 11000 -> gap 3000); mix ran after load 0 on CTA 0 (ends 2000) but its
+    # input x's last producer is load 1 (ends 7000): that one, gap 1000
+    assert [(t.task, gap) for t, _, gap in path] == [(a1.id, 0), (b0.id, 1000), (c1.id, 3000)]
+    assert "after the last producer of 'x'" in path[1][1] and "'y'" in path[2][1]
+    text = report(L)
+    assert "launch span 15.5 us" in text and "mix" in text
