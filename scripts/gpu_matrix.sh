@@ -9,6 +9,7 @@
 #   first (alone on the GPU): a traced launch of each TRACES entry (kind:tp, scripts/diag_layers.py --trace).
 # Env: PHASE_A=0 skips the tests; TESTS="spec ..." overrides the test groups ("file::-k expr" each);
 #      TRACES="kind:tp ..." (default "dense:8 kda:1 sparse:8", empty: none);
+#      SUITE=dsa: only the sparse TP8 and nextn tests and timings (what the 64-bit budget fix must show).
 #      TIMING="argsets" (';'-separated time_matrix argument sets) overrides the timing plan.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -36,6 +37,13 @@ if [ "${PHASE_A:-1}" = 1 ]; then
     done
     groups+=("tests/test_launch_kda.py::$tp and $f" "tests/test_launch_dense.py tests/test_launch_embed.py::$tp and $f")
   done; done
+  if [ "${SUITE:-}" = dsa ]; then
+    groups=()
+    for f in bf16 fp8; do for p in 640 8191 65535; do
+      groups+=("tests/test_launch_sparse.py::tp8 and $f and $p")
+      for tp in tp1 tp8; do groups+=("tests/test_launch_nextn.py::$tp and $f and $p"); done
+    done; done
+  fi
   [ -n "${TESTS:-}" ] && IFS=';' read -ra groups <<< "$TESTS"
   i=0
   ( python3 -m glm53_flash demo --device cuda --checkpoint /tmp/tiny --max-new-tokens 6 &&
@@ -57,6 +65,7 @@ if [ "${PHASE_A:-1}" = 1 ]; then
 fi
 
 # phase B: timing, most-used kinds first (31 kda layers, 11 sparse, 2 dense, embed, nextn)
+[ "${SUITE:-}" = dsa ] && [ -z "${TIMING:-}" ] && TIMING="--kinds sparse --tp 8 --rows 1,8 --weights bf16,fp8 --pos 8191;--kinds nextn --tp 1,8 --rows 1,8 --weights bf16,fp8 --pos 8191;--kinds sparse --tp 8 --rows 1,8 --weights bf16,fp8 --pos 640,65535"
 plan=${TIMING:-"--kinds kda --tp 1,8 --rows 1,8 --weights bf16,fp8;--kinds sparse --tp 1,8 --rows 1,8 --weights bf16,fp8 --pos 8191;--kinds dense,embed --tp 1,8 --rows 1,8 --weights bf16,fp8;--kinds nextn --tp 1,8 --rows 1,8 --weights bf16,fp8 --pos 8191;--kinds sparse --tp 1,8 --rows 1,8 --weights bf16,fp8 --pos 640,65535"}
 IFS=';' read -ra sets <<< "$plan"
 for a in "${sets[@]}"; do
