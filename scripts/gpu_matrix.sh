@@ -9,7 +9,8 @@
 #   first (alone on the GPU): a traced launch of each TRACES entry (kind:tp, scripts/diag_layers.py --trace).
 # Env: PHASE_A=0 skips the tests; TESTS="spec ..." overrides the test groups ("file::-k expr" each);
 #      TRACES="kind:tp ..." (default "dense:8 kda:1 sparse:8", empty: none);
-#      SUITE=dsa: only the sparse TP8 and nextn tests and timings (what the 64-bit budget fix must show).
+#      SUITE=dsa: only the sparse TP8 and nextn tests and timings (what the 64-bit budget fix must show),
+#      no traces unless TRACES is given.
 #      TIMING="argsets" (';'-separated time_matrix argument sets) overrides the timing plan.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,6 +23,7 @@ S="$OUT/summary.txt"; W=/tmp/gpu_matrix; rm -rf $W; mkdir -p $W
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader; } > "$S" 2>&1
 el() { echo $(( $(date +%s) - T0 )); }
 
+[ "${SUITE:-}" = dsa ] && TRACES=${TRACES-}          # the dsa suite fills its call with tests and timings
 for kt in ${TRACES-dense:8 kda:1 sparse:8}; do
   echo "##### trace ${kt%%:*} tp ${kt#*:}" >> "$OUT/trace.log"
   timeout 90 python3 scripts/diag_layers.py --kind ${kt%%:*} --tp ${kt#*:} --rows 1 --pos 8191 --trace 2>&1 \
