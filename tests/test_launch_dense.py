@@ -341,3 +341,28 @@ class _Partial(dict):
 @pytest.mark.parametrize("width", [1, 8], ids=["w1", "w8"])
 def test_gpu_dense(tp, width, fmt):
     gpu_layer_check(DenseLaunch, DENSE_LAYER, tp, width, fmt)
+
+
+def test_stall_report_names_the_missing_producers(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
+    """launches/diagnose.py after a stalled launch: a box site lists every producer that never published
+    (here all of them: the injected fault skips the site's publishes) and their CTAs' progress; a
+    cross-rank mailbox site lists the missing source ranks and the tasks that write them."""
+    from glm53_flash.launches.diagnose import box_summary, explain
+    X, caches = make_step(tiny_cfg, tiny_ref, DENSE_LAYER, 1, gen)
+    S, W = rank_state(tiny_cfg, caches, DENSE_LAYER)
+    L = DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, width=1)
+    L.run(X, S, W, commit=False)
+    assert "recorded no stall" in explain(L)
+    with pytest.raises(HandoffTimeout):
+        L.run(X, S, W, inject_fault="dense.hp2", commit=False)
+    n = sum("hp2" in t.writes for t in L.schedule.tasks)
+    text = explain(L)
+    assert "timed out at 'dense.hp2'" in text and f"{n} of {n} producers missing" in text
+    assert " NO task#" in text and " ok task#" in text and f"hp2:0/{n}" in box_summary(L, L.record().wanted)
+    S2, W2 = rank_state(tiny_cfg, caches, DENSE_LAYER, 0, 2)
+    L2 = DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, tp_rank=0, tp_size=2, width=1)
+    with pytest.raises(HandoffTimeout, match="'dense.xd'"):
+        L2.run(X, S2, W2, inject_fault="dense.xd", commit=False)
+    text = explain(L2)
+    assert "mailbox xd: source rank 0" in text and "mailbox xd: source rank 1" in text
+    assert "writer task#" in text and "peer_d" in text
