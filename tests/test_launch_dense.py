@@ -33,6 +33,11 @@ def rel(a, b) -> float:
     return float((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm())
 
 
+def rel_rows(a, b) -> str:
+    """Each row's relative error (dim 0), for failure reports."""
+    return " ".join(f"{rel(x, y):.1e}" for x, y in zip(a, b))
+
+
 @pytest.fixture(scope="session")
 def tiny_ref(tiny_cfg, tiny_weights):
     return ReferenceModel(tiny_cfg, tiny_weights)

@@ -13,7 +13,7 @@ import torch
 from glm53_flash.launches.nextn import NextnLaunch
 from glm53_flash.launches.sparse import layer_caches
 from sync import HandoffTimeout
-from test_launch_dense import TOL_BF16, rel, tiny_ref  # noqa: F401 (fixture)
+from test_launch_dense import TOL_BF16, rel, rel_rows, tiny_ref  # noqa: F401 (fixture)
 
 MAX_LEN = 64
 
@@ -104,8 +104,8 @@ def nextn_check(cfg, positions, tp, fmt, device="cuda", widths=(1, 2, 4, 8), fau
     import time
     from glm53_flash.reference.model import ReferenceModel
     from glm53_flash.weights import LM_HEAD, PREFIX
-    from test_launch_sparse import (check_selection, random_dsa_caches, ref_index_inputs, run_loopback,
-                                    triton_width)
+    from test_launch_sparse import (RouteRecorder, check_routing, check_selection, random_dsa_caches,
+                                    ref_index_inputs, run_loopback, triton_width)
     torch.backends.cuda.matmul.allow_tf32 = False
     L_mtp = cfg.num_hidden_layers
     from test_launch_sparse import layer_weights
@@ -119,7 +119,8 @@ def nextn_check(cfg, positions, tp, fmt, device="cuda", widths=(1, 2, 4, 8), fau
     hid = torch.randn(rows, cfg.hidden_size, device=device, generator=gen)
     nt = torch.randint(0, cfg.vocab_size, (rows,), device=device, generator=gen)
     cr, tr = caches.clone(), {}
-    so = ref.nextn_step(cr, hid, nt, torch.tensor(positions), trace=tr)
+    with RouteRecorder() as rec:
+        so = ref.nextn_step(cr, hid, nt, torch.tensor(positions), trace=tr)
     sel_ref = [t.tolist() for t in tr["mtp"]]
     slots = list(range(rows))
     Ls = [NextnLaunch(cfg, w, tp_rank=r, tp_size=tp, width=triton_width(rows), device=device, scales=scales,
@@ -132,13 +133,18 @@ def nextn_check(cfg, positions, tp, fmt, device="cuda", widths=(1, 2, 4, 8), fau
     (logits, tokens, n), peer = run_loopback(Ls, lambda L, pr: L.run(hid, nt, *st, positions, peer=pr))
     L = Ls[0]
     V = logits.shape[1]
+    flips = check_routing(L, rec, rows)
+    if flips:                        # near-tie expert picks: compare with the reference routed the same way
+        with RouteRecorder(flips):
+            so = ref.nextn_step(caches.clone(), hid, nt, torch.tensor(positions))
     lat = torch.stack([st[0][s, p].float() for s, p in zip(slots, positions)])
     lat_r = torch.stack([cr.latent[s, d, p] for s, p in zip(slots, positions)])
     errs = {"logits": rel(logits, so.logits[:, :V]), "n": rel(n, so.hidden), "latent_row": rel(lat, lat_r),
             "tail_rows": rel(st[2], cr.tail_rows[:, d])}
     iq, hw = ref_index_inputs(ref, L_mtp, (hid, nt))
     ties = check_selection(L, sel_ref, iq, hw, cr.pool_keys[:, d], slots)
-    print(f"[{device} nextn tp{tp} rows{rows} pos{positions[:2]} {fmt}] rel err {errs}, near-ties {ties}")
+    print(f"[{device} nextn tp{tp} rows{rows} pos{positions[:2]} {fmt}] rel err {errs}, near-ties {ties}, "
+          f"expert near-ties {flips}, per-row n err {rel_rows(n, so.hidden)}")
     assert all(v <= 1e-2 for v in errs.values()), errs
     if tp == 1:
         flips = check_greedy(logits, tokens, so.logits)

@@ -19,7 +19,7 @@ from glm53_flash.kernels.mla import AttentionSplit
 from glm53_flash.launches.layer_host import new_xchg, run_tp
 from glm53_flash.launches.sparse import SparseLaunch, layer_caches
 from sync import HandoffTimeout
-from test_launch_dense import TOL_BF16, TOL_F32, poison_scratch, rel, tiny_ref  # noqa: F401 (fixture)
+from test_launch_dense import TOL_BF16, TOL_F32, poison_scratch, rel, rel_rows, tiny_ref  # noqa: F401 (fixture)
 
 LAYER = 3
 MAX_LEN = 64
@@ -242,6 +242,55 @@ def test_sparse_bad_inputs(tiny_cfg, tiny_weights, tiny_ref, gen):
         L.run(X[:1], *layer_caches(big, 0), [3])
 
 
+# ---------------------------------------------------------------------------- routing (tie-aware)
+class RouteRecorder:
+    """Stands in for the reference's ops.moe_route while the reference runs (`with RouteRecorder() as rec`):
+    records each call's router scores s = sigmoid(x W^T) [rows, E] and bias, and routes the rows in
+    `force` ({row: expert ids}) to those experts, weighted by the reference's own scores."""
+
+    def __init__(self, force: dict | None = None):
+        self.force, self.calls = force or {}, []
+
+    def __call__(self, x, gate_w, bias, cfg, idx=None):
+        self.calls.append((torch.sigmoid(x.float() @ gate_w.t()).cpu(), bias.float().cpu()))
+        _, idx = self._orig(x, gate_w, bias, cfg)
+        for r, ids in self.force.items():
+            idx[r] = torch.tensor(ids, dtype=idx.dtype, device=idx.device)
+        return self._orig(x, gate_w, bias, cfg, idx=idx)
+
+    def __enter__(self):
+        from glm53_flash.reference import ops
+        self._orig, ops.moe_route = ops.moe_route, self
+        return self
+
+    def __exit__(self, *exc):
+        from glm53_flash.reference import ops
+        ops.moe_route = self._orig
+
+
+def check_routing(L, rec, rows):
+    """The launch's expert choice (its record) vs the reference's, as sets up to near-ties: an expert in
+    only one of the two must have a reference choice score (s + bias) within twice the measured
+    choice-score error of the reference's k-th best. rec: the RouteRecorder of the reference run (one
+    MoE call). Returns {row: the launch's ids} for the rows whose choice differs (near-ties)."""
+    from glm53_flash.reference import ops
+    (s_ref, bias), = rec.calls
+    K = L.KE
+    ids = L.layout.view(L.scratch, "ids_rec")[:rows].cpu()
+    logit = L.layout.view(L.scratch, "part_r")[:, :rows].cpu().sum(0)     # the launch's joined router logits
+    choice_ref = s_ref + bias
+    err = float((torch.sigmoid(logit) + bias - choice_ref).abs().max())
+    flips = {}
+    for r in range(rows):
+        got, want = ids[r].tolist(), ops.topk_lower_index(choice_ref[r], K).tolist()
+        if set(got) != set(want):
+            cut = float(torch.sort(choice_ref[r], descending=True).values[K - 1])
+            far = [e for e in set(got) ^ set(want) if abs(float(choice_ref[r, e]) - cut) > 2 * err + 1e-7]
+            assert not far, f"row {r}: experts {sorted(set(got) ^ set(want))} differ (not near-ties: {far}, err {err})"
+            flips[r] = got
+    return flips
+
+
 # ---------------------------------------------------------------------------- selection (tie-aware)
 def ref_index_inputs(ref, layer, X):
     """The reference's (iq [rows, n, d], hw [rows, n]) of a DSA layer (trunk: X streams; the MTP block:
@@ -402,7 +451,8 @@ def sparse_layer_check(cfg, layer, positions, tp, fmt, device="cuda", widths=(1,
     caches = random_dsa_caches(ref, pos_by_slot, max_len, gen)
     X = torch.randn(rows, 4, cfg.hidden_size, device=device, generator=gen)
     cr, tr = caches.clone(), {}
-    Xr = ref.layer_step(cr, layer, X, torch.tensor(positions), torch.tensor(slots), trace=tr)
+    with RouteRecorder() as rec:
+        Xr = ref.layer_step(cr, layer, X, torch.tensor(positions), torch.tensor(slots), trace=tr)
     sel_ref = [t.tolist() for t in tr[layer]]
     width = triton_width(rows)
     Ls = [SparseLaunch(cfg, w, layer, tp_rank=r, tp_size=tp, width=width, device=device, scales=scales,
@@ -414,13 +464,18 @@ def sparse_layer_check(cfg, layer, positions, tp, fmt, device="cuda", widths=(1,
     state = fresh()
     out, peer = run_loopback(Ls, lambda L, pr: L.run(X, *state, positions, slots, peer=pr))
     L = Ls[0]
+    flips = check_routing(L, rec, rows)
+    if flips:                        # near-tie expert picks: compare with the reference routed the same way
+        with RouteRecorder(flips):
+            Xr = ref.layer_step(caches.clone(), layer, X, torch.tensor(positions), torch.tensor(slots))
     lat = torch.stack([state[0][s, p].float() for s, p in zip(slots, positions)])
     lat_r = torch.stack([cr.latent[s, 0, p] for s, p in zip(slots, positions)])
     errs = {"X": rel(out, Xr), "latent_row": rel(lat, lat_r), "tail_rows": rel(state[2], cr.tail_rows[:, 0]),
             "pool_keys": rel(state[1].float(), cr.pool_keys[:, 0])}
     iq, hw = ref_index_inputs(ref, layer, X)
     ties = check_selection(L, sel_ref, iq, hw, cr.pool_keys[:, 0], slots)
-    print(f"[{device} sparse L{layer} tp{tp} rows{rows} pos{positions[:2]} {fmt}] rel err {errs}, near-ties {ties}")
+    print(f"[{device} sparse L{layer} tp{tp} rows{rows} pos{positions[:2]} {fmt}] rel err {errs}, near-ties {ties}, "
+          f"expert near-ties {flips}, per-row X err {rel_rows(out, Xr)}")
     assert all(v <= 1e-2 for v in errs.values()), errs
     again_state = fresh()
     again = L.run(X, *again_state, positions, slots, peer=peer)
@@ -540,6 +595,51 @@ def test_gpu_check_path_on_cpu_tp2_loopback(tiny_cfg, tiny_weights, gen, one_thr
     errs = sparse_layer_check(tiny_cfg, LAYER, [25, 22], 2, "bf16", device="cpu", widths=(2,),
                               fault_sites=["sparse.xd"])
     assert all(v <= TOL_BF16 for v in errs.values()), errs
+
+
+def test_route_recorder_records_and_forces(tiny_cfg, gen):
+    """The routing near-tie helpers: the recorder leaves an unforced route as the reference's own and
+    records its scores; a forced row gets the given experts, weighted by the reference's renormalised
+    scores; other rows are untouched."""
+    from glm53_flash.reference import ops
+    E, K = tiny_cfg.n_routed_experts, tiny_cfg.num_experts_per_tok
+    x, gw, bias = torch.randn(3, 16, generator=gen), torch.randn(E, 16, generator=gen), torch.randn(E, generator=gen)
+    w0, i0 = ops.moe_route(x, gw, bias, tiny_cfg)
+    with RouteRecorder() as rec:
+        w1, i1 = ops.moe_route(x, gw, bias, tiny_cfg)
+    assert ops.moe_route is not rec and torch.equal(w0, w1) and torch.equal(i0, i1)
+    assert torch.equal(rec.calls[0][0], torch.sigmoid(x @ gw.t()))
+    other = [e for e in range(E) if e not in i0[1].tolist()][:K]
+    with RouteRecorder({1: other}):
+        w2, i2 = ops.moe_route(x, gw, bias, tiny_cfg)
+    s = torch.sigmoid(x[1] @ gw.t())[other]
+    assert i2[1].tolist() == other and torch.allclose(w2[1], s / s.sum() * tiny_cfg.routed_scaling_factor)
+    assert torch.equal(w2[[0, 2]], w0[[0, 2]]) and torch.equal(i2[[0, 2]], i0[[0, 2]])
+
+
+def test_check_routing_tolerates_only_near_ties(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
+    """check_routing on a real launch: no flips; a record tampered to a far expert fails; one swapped
+    at a manufactured near-tie (the reference's 2nd and 3rd scores made equal) is reported as a flip."""
+    X, caches, slots = make_caches(tiny_cfg, tiny_ref, [25], gen)
+    L = SparseLaunch(tiny_cfg, tiny_weights, LAYER, width=1, max_len=MAX_LEN)
+    with RouteRecorder() as rec:
+        tiny_ref.layer_step(caches.clone(), LAYER, X, torch.tensor([25]), torch.tensor(slots))
+    L.run(X, *layer_caches(caches.clone(), 0), [25], slots)
+    assert check_routing(L, rec, 1) == {}
+    ids = L.layout.view(L.scratch, "ids_rec")
+    s, bias = rec.calls[0]
+    order = torch.argsort(s[0] + bias, descending=True).tolist()
+    K = L.KE
+    ids[0, K - 1] = order[-1]                                   # the worst expert: not a near-tie
+    with pytest.raises(AssertionError, match="not near-ties"):
+        check_routing(L, rec, 1)
+    s, e = s.clone(), order[K]                  # the (K+1)-th best, moved to just under the K-th best ...
+    s[0, e] = s[0, order[K - 1]] + bias[order[K - 1]] - bias[e] - 1e-6
+    rec.calls[0] = (s, bias)
+    part = L.layout.view(L.scratch, "part_r")      # ... in the launch's router logits too (err stays small)
+    part[0, 0, e] += torch.logit(s[0, e].double()).float() - part[:, 0, e].sum()
+    ids[0, K - 1] = e
+    assert check_routing(L, rec, 1) == {0: ids[0].tolist()}
 
 
 def test_sparse_trace_same_bits(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):

@@ -312,12 +312,14 @@ def mlp(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, limit: float) -
     return swiglu_clamped(x @ gate_w.t(), x @ up_w.t(), limit) @ down_w.t()
 
 
-def moe_route(x: Tensor, gate_w: Tensor, bias: Tensor, cfg) -> tuple[Tensor, Tensor]:
+def moe_route(x: Tensor, gate_w: Tensor, bias: Tensor, cfg, idx: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Sigmoid router with correction bias: top-k on (sigmoid(x W^T) + bias), ties toward the lower
     expert; weights = chosen sigmoid scores, renormalised (norm_topk_prob), times the scaling.
-    x [rows, H]; gate_w [E, H]; bias [E]. Returns (weights [rows, k], idx [rows, k])."""
+    x [rows, H]; gate_w [E, H]; bias [E]. Returns (weights [rows, k], idx [rows, k]). `idx`, if given,
+    replaces the choice (tests: a kernel's pick on a near-tie, weighted by this router's scores)."""
     s = torch.sigmoid(x.float() @ gate_w.t())                     # [rows, E]
-    idx = topk_lower_index(s + bias, cfg.num_experts_per_tok)
+    if idx is None:
+        idx = topk_lower_index(s + bias, cfg.num_experts_per_tok)
     w = s.gather(-1, idx)
     if cfg.norm_topk_prob:
         w = w / (w.sum(-1, keepdim=True) + ROUTER_DENOM_EPS)
