@@ -317,8 +317,9 @@ def build_kind(kind, cfg, args, device):
         return cases, {"bytes": {"lm_head + norm + X": cases[0].bytes_read}, "copies": len(cases[0].fns),
                        "timing": "rotate"}
     opts = dict(pos=args.pos, dry=args.dry_run, max_copies=args.max_copies, num_warps=args.num_warps,
-                block_n=args.block_n,
-                num_stages=args.num_stages)
+                block_n=args.block_n, num_stages=args.num_stages,
+                grid=(args.ctas_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+                      if args.ctas_per_sm and not args.dry_run else None))
     return build_layer(kind, cfg, args.tp, args.rows, args.weights, device, opts)
 
 
@@ -377,7 +378,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-k", type=int, default=None, help="tail: K chunk per pipelined GEMV step")
     ap.add_argument("--num-stages", type=int, default=None, help="tail / layer kinds: GEMV software-pipeline depth")
     ap.add_argument("--ctas-per-sm", type=int, default=None,
-                    help="tail: persistent grid = this many CTAs per SM (default: the launch's)")
+                    help="tail / layer kinds: persistent grid = this many CTAs per SM (default: the launch's; "
+                         "a grid that cannot be co-resident is refused)")
     args = ap.parse_args(argv)
     dry = args.dry_run
     import layer_baselines as lb

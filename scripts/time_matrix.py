@@ -44,7 +44,8 @@ def matrix(args) -> list[list[str]]:
                 argv += ["--max-copies", str(args.max_copies)]
             if args.dry_run:
                 argv += ["--dry-run"]
-            out.append(argv)
+            for v in args.variants:
+                out.append(argv + v.split())
     return out
 
 
@@ -84,6 +85,9 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=15)
     ap.add_argument("--reps", type=int, default=16)
     ap.add_argument("--dry-run", action="store_true", help="passed to time_layers (CPU, tiny preset, untimed)")
+    ap.add_argument("--variants", type=lambda s: s.split("|"), default=[""],
+                    help="'|'-separated extra time_layers flags, each case run once per variant, e.g. "
+                         "\"|--block-n 32|--ctas-per-sm 2\" (the empty first one: the defaults)")
     ap.add_argument("--json-out", default=None, help="append one JSON record per case to this file")
     ap.add_argument("--deadline", type=float, default=None, help="seconds after which no new case starts")
     args = ap.parse_args(argv)

@@ -38,6 +38,26 @@ def test_balanced_deterministic_and_ordered():
     assert s.sites == ["k.row", "k.part"] and s.site_id("part") == 1 and s.site_id("nope") == -1
 
 
+def test_small_tasks_spread_over_ctas():
+    """A stage of small tasks after an uneven stage: one per CTA (by bytes alone they all queued on the
+    CTAs that had no big task), and each stage balanced on its own."""
+    g = TaskGraph("k", FAMS)
+    g.stage("big")
+    for i in range(4):
+        g.add("prod", (i,), writes=("row",), nbytes=1 << 20)
+    g.stage("small")
+    for i in range(8):
+        g.add("work", (i,), reads=("row",), writes=("part",), nbytes=100)
+    s = build(g, 8)
+    per_cta = [sum(s.tasks[t].family == "work" for t in prog) for prog in s.programs]
+    assert per_cta == [1] * 8
+    g.stage("more")                                     # 16 more small tasks: two per CTA
+    for i in range(16):
+        g.add("red", (i,), reads=("part",), nbytes=100)
+    s = build(g, 8)
+    assert [sum(s.tasks[t].family == "red" for t in prog) for prog in s.programs] == [2] * 8
+
+
 def test_table_matches_programs():
     g = _graph()
     s = build(g, 4)

@@ -188,10 +188,14 @@ def test_time_matrix_cases_and_records(tmp_path, capsys):
 
     import time_matrix as tm
     ns = argparse.Namespace(kinds=["dense", "sparse"], weights=["bf16", "fp8"], tp=[1, 8], rows=[1], pos=[640, 8191],
-                            windows=3, reps=2, experts=None, max_copies=None, dry_run=False)
+                            windows=3, reps=2, experts=None, max_copies=None, dry_run=False, variants=[""])
     cases = tm.matrix(ns)
     assert len(cases) == 2 * 2 + 2 * 2 * 2
     assert all(("--pos" in c) == (c[1] == "sparse") for c in cases)
+    ns.variants = ["", "--block-n 32", "--ctas-per-sm 2 --num-warps 8"]          # each case once per variant
+    v = tm.matrix(ns)
+    assert len(v) == 3 * len(cases) and v[0] == cases[0] and v[1] == cases[0] + ["--block-n", "32"]
+    assert v[2][-4:] == ["--ctas-per-sm", "2", "--num-warps", "8"]
     out = tmp_path / "t.jsonl"
     assert tm.main(["--kinds", "dense,nope", "--dry-run", "--json-out", str(out)]) == 0
     recs = [json.loads(line) for line in out.read_text().splitlines()]

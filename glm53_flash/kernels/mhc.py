@@ -6,8 +6,9 @@ Why this split (DESIGN.md §5, §8: hops, not bytes, decide the step):
 - hc_pre needs a 24 x 4H fp32 GEMV over the flattened streams (1.5 MB of `hc_fn` at H=4096) and
   the RMS of the same 4H row. A partial task owns a column tile [c0, c1) of all 4 streams (flat
   indices j*H + c) and reduces it to 40 numbers per row in its own scratch slot: the 24 GEMV sums
-  and the 4x4 Gram matrix G[j, j'] = sum_c X[j, c] X[j', c]. Consumers join the slots in task order
-  0, 1, 2, ... (fixed, so every CTA gets the same bits) and run the 4x4 Sinkhorn themselves
+  and the 4x4 Gram matrix G[j, j'] = sum_c X[j, c] X[j', c]. Consumers join the slots in a fixed
+  order (chunks of JOIN_CHUNK slots, each summed as a tree, chunks in task order: every CTA gets the
+  same bits, on any grid) and run the 4x4 Sinkhorn themselves
   (`hc_coeffs`): a few hundred flops instead of another hop.
 - The Gram matrix gives both norms for free: the flat row's sum of squares is trace(G), and the
   collapsed row x_in = sum_j pre[j] X[j] has sum of squares pre^T G pre. So the gate row
@@ -54,6 +55,7 @@ import triton
 import triton.language as tl
 
 HC_SLOT = 40      # fp32 words per (task, row) partial: 24 GEMV sums + the 4x4 Gram matrix
+JOIN_CHUNK = tl.constexpr(32)   # partial slots hc_coeffs loads per round
 _SLOT = tl.constexpr(HC_SLOT)   # the same, visible inside @triton.jit code
 
 
@@ -135,7 +137,8 @@ def hc_partial_finish(w0, fn_ptr, x_ptr, stride_x, part_ptr, stride_p, rows, c0,
 # ---------------------------------------------------------------------------- finish
 @triton.jit
 def hc_coeffs(part_ptr, stride_task, n_parts, base_ptr, scale_ptr, H, eps, hc_eps, ITERS: tl.constexpr):
-    """Join the n_parts slots of one row in task order; derive the mHC coefficients and the gate-row rstd.
+    """Join the n_parts slots of one row (fixed order, see above); derive the mHC coefficients and the
+    gate-row rstd.
 
     part_ptr: task 0's slot for this row; task t's at part_ptr + t * stride_task. eps = rms_norm_eps,
     hc_eps = cfg.hc_eps, ITERS = Sinkhorn iterations (20). Returns pre [4], post [4], comb [4, 4]
@@ -150,14 +153,21 @@ def hc_coeffs(part_ptr, stride_task, n_parts, base_ptr, scale_ptr, H, eps, hc_ep
     post_s = tl.zeros([4], dtype=tl.float32)
     comb_s = tl.zeros([4, 4], dtype=tl.float32)
     G = tl.zeros([4, 4], dtype=tl.float32)
+    # JOIN_CHUNK slots per load round (one slot per round made the join 64 dependent L2 round trips:
+    # ~13-20 us per gate task, traced on the H200); a chunk sums as a tree, chunks in task order
+    tc = tl.arange(0, JOIN_CHUNK)
     t = 0
     while t < n_parts:
-        p = part_ptr + t * stride_task
-        pre_s += tl.load(p + i4, cache_modifier=".cg")
-        post_s += tl.load(p + 4 + i4, cache_modifier=".cg")
-        comb_s += tl.load(p + 8 + ij, cache_modifier=".cg")
-        G += tl.load(p + 24 + ij, cache_modifier=".cg")
-        t += 1
+        m = (t + tc) < n_parts
+        p = part_ptr + (t + tc).to(tl.int64) * stride_task
+        pre_s += tl.sum(tl.load(p[:, None] + i4[None, :], mask=m[:, None], other=0.0, cache_modifier=".cg"), axis=0)
+        post_s += tl.sum(tl.load(p[:, None] + 4 + i4[None, :], mask=m[:, None], other=0.0, cache_modifier=".cg"),
+                         axis=0)
+        comb_s += tl.sum(tl.load(p[:, None, None] + 8 + ij[None, :, :], mask=m[:, None, None], other=0.0,
+                                 cache_modifier=".cg"), axis=0)
+        G += tl.sum(tl.load(p[:, None, None] + 24 + ij[None, :, :], mask=m[:, None, None], other=0.0,
+                            cache_modifier=".cg"), axis=0)
+        t += JOIN_CHUNK
     ss = tl.sum(tl.sum(tl.where(i4[:, None] == i4[None, :], G, 0.0), axis=1), axis=0)   # trace(G)
     inv = 1.0 / tl.sqrt(ss / (4 * H) + eps)                    # 1 / rms of the flat 4H row
     s0 = tl.load(scale_ptr)
