@@ -30,6 +30,7 @@ def interpreting() -> bool:
 class Launch:
     kind = "base"
     num_warps = 4
+    default_ctas_per_sm = 1     # grid=None on the GPU: this many CTAs per SM (check_resident refuses a misfit)
 
     def __init__(self, *, grid: int | None, device, timeout_s: float = DEFAULT_TIMEOUT_S, tag_stride: int = 1,
                  tag_offset: int = 0, bump: bool = True):
@@ -41,7 +42,7 @@ class Launch:
         if self.device.type == "cpu" and not interpreting():
             raise ValueError(f"{self.kind}: device=cpu needs TRITON_INTERPRET=1 (set before importing kernels)")
         if grid is None:
-            grid = 4 if interpreting() else sched_mod.device_sm_count(self.device)
+            grid = 4 if interpreting() else sched_mod.device_sm_count(self.device) * self.default_ctas_per_sm
         if not isinstance(grid, int) or isinstance(grid, bool) or grid < 1:
             raise ValueError(f"{self.kind}: grid={grid!r} must be a positive integer")
         if not (isinstance(tag_stride, int) and tag_stride >= 1 and isinstance(tag_offset, int)

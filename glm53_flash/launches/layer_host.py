@@ -88,6 +88,9 @@ class KdaLayerLaunch(Launch):
 
     kind = "dense"
     embed = False
+    # two CTAs per SM (128 registers, 4 warps: four would fit): twice the loads in flight per SM. kda TP1,
+    # 1 row, bf16 on the H200: 518 us at 1 CTA per SM, 456 us at 2 (block_n 32: 660, 8 warps: 522)
+    default_ctas_per_sm = 2
     META_LAYOUT = (BOXES, ROWS_REGIONS, META, META_WORDS)        # the kernel module's meta words
 
     def __init__(self, cfg, source, layer: int, *, tp_rank: int = 0, tp_size: int = 1, width: int = 1, device=None,

@@ -69,6 +69,8 @@ class SparseLaunch(KdaLaunch):
     block_p) defaults to the smallest giving <= 16 tasks; bits: radix digit width (8 only: 4 passes,
     the register-light choice of kernels/indexer.py)."""
 
+    default_ctas_per_sm = 1     # up to 255 registers per thread: two CTAs per SM not measured yet
+
     META_LAYOUT = (BOXES, ROWS_REGIONS, META, META_WORDS)        # layer_host.py _meta
 
     kind = "sparse"
