@@ -78,7 +78,10 @@ for a in "${sets[@]}"; do
   echo "=== rc=$? time_matrix $a (end $(el) s)" >> "$S"
 done
 [ -f "$OUT/timing.log" ] && grep -E "^(#####|!!|not started)|launch tp|torch ops" "$OUT/timing.log" >> "$S"
-# the cache for the next call (carry .triton_cache.tgz = cat triton_cache.part*): parts under the 16 MB file limit
-tar czf - -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15m - "$OUT/triton_cache.part"
+# the cache for the next call (carry .triton_cache.tgz = cat triton_cache.part*): parts under the 16 MB file limit,
+# newest entries first, and no more parts than $OUT's 8-file limit leaves room for: a cut archive still
+# extracts its leading entries, so the kernels this call compiled are the ones kept
+( cd "$TRITON_CACHE_DIR" && ls -1t | tar czf - -T - 2>/dev/null ) | split -b 15m - "$W/triton_cache.part"
+room=$(( 8 - $(ls "$OUT" | wc -l) )); ls "$W"/triton_cache.part* 2>/dev/null | head -n $room | xargs -r -I{} mv {} "$OUT/"
 echo "=== end at $(el) s" >> "$S"
 cat "$S"
