@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from sync import HandoffTimeout, SiteRegistry, read_record, timeout_ns
-from sync.device import await_pairs, publish_pairs, staggered_budget
+from sync.device import staggered_budget
 from sync.selftest import SITES, SelfTest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,76 +154,3 @@ def test_staggered_budget_does_not_overflow(budget_s):
     want = [ns + s * (ns >> 4) for s in range(64)]
     assert out.tolist() == want
 
-
-@triton.jit
-def peer_table_kernel(inbox_addr, hdr, got, ok_out, tag, budget_ns, phase, N: tl.constexpr):
-    """Program r plays TP rank r. Phase 0: publish r's N values into slot r of every rank's inbox,
-    each inbox found through the int64 address table (as a multi-GPU launch will reach peer-mapped
-    mailboxes: separate allocations, one base address per rank). Phase 1: await its own inbox's slots
-    in rank order and store the payload."""
-    r = tl.program_id(0)
-    n_ranks = tl.num_programs(0)
-    i = tl.arange(0, N)
-    if phase == 0:
-        d = 0
-        while d < n_ranks:
-            inbox = tl.load(inbox_addr + d).to(tl.pointer_type(tl.int64), bitcast=True)
-            publish_pairs(inbox + r * N + i, r * 1000 + d * 100 + i, tag, i < N, 0, -1)
-            d += 1
-    else:
-        inbox = tl.load(inbox_addr + r).to(tl.pointer_type(tl.int64), bitcast=True)
-        s = 0
-        while s < n_ranks:
-            vals, ok = await_pairs(inbox + s * N + i, i < N, tag, hdr, 0, r, budget_ns)
-            tl.store(got + (r * n_ranks + s) * N + i, vals)
-            tl.store(ok_out + r * n_ranks + s, ok)
-            s += 1
-
-
-def test_pairs_through_a_peer_address_table():
-    """The mechanism TP across GPUs needs (issue 6, docs/DECISIONS.md): tagged pairs published into
-    other ranks' separately allocated inboxes through a table of base addresses (int64 -> pointer
-    bitcast), then awaited by their owners. Runs as kernel code here; the sm_90 compile of the same
-    bitcast gives plain global stores (checked offline before this was relied on)."""
-    from sync.header import HEADER_WORDS
-    ranks, N, tag = 4, 16, 7
-    inboxes = [torch.zeros(ranks * N, dtype=torch.int64) for _ in range(ranks)]
-    table = torch.tensor([b.data_ptr() for b in inboxes], dtype=torch.int64)
-    hdr = torch.zeros(HEADER_WORDS, dtype=torch.int32)
-    got = torch.full((ranks, ranks, N), -1, dtype=torch.int32)
-    ok = torch.zeros(ranks, ranks, dtype=torch.int32)
-    ns = timeout_ns(1.0)
-    peer_table_kernel[(ranks,)](table, hdr, got, ok, tag, ns, 0, N=N)
-    peer_table_kernel[(ranks,)](table, hdr, got, ok, tag, ns, 1, N=N)
-    assert ok.eq(1).all()
-    want = torch.tensor([[[s * 1000 + d * 100 + i for i in range(N)] for s in range(ranks)] for d in range(ranks)],
-                        dtype=torch.int32)
-    assert torch.equal(got, want)
-    assert all(((b & 0xFFFFFFFF) == tag).all() for b in inboxes)        # every word carries the tag
-    ok.zero_()
-    peer_table_kernel[(ranks,)](table, hdr, got, ok, tag + 1, ns, 1, N=N)   # nothing published at tag + 1
-    rec = read_record(hdr)
-    assert ok.eq(0).all() and rec.err_tag == tag + 1 and rec.wanted == tag + 1 and rec.seen == tag
-
-
-_COMPILE_PEER = r"""
-import json, sys, triton
-sys.path.insert(0, "tests")
-from triton.compiler import ASTSource
-from triton.backends.compiler import GPUTarget
-from test_sync import peer_table_kernel as k
-sig = {"inbox_addr": "*i64", "hdr": "*i32", "got": "*i32", "ok_out": "*i32", "tag": "i32", "budget_ns": "i64",
-       "phase": "i32", "N": "constexpr"}
-ck = triton.compile(ASTSource(fn=k, signature=sig, constexprs={"N": 16}), target=GPUTarget("cuda", 90, 32),
-                    options={"num_warps": 4})
-print(json.dumps({"ptx": ck.asm["ptx"]}))
-"""
-
-
-def test_sm90_peer_table_compiles_to_relaxed_pair_stores():
-    """The address-table bitcast compiles for sm_90: the table word becomes the address of the same
-    relaxed 8-byte pair stores and polls a local mailbox uses (a peer-mapped address is an ordinary
-    global address; only the scope would change across GPUs)."""
-    ptx = sm90_ptx(_COMPILE_PEER)
-    assert "st.relaxed.gpu.global.b64" in ptx and "ld.relaxed.gpu.global.b64" in ptx
-    assert "ld.global.b64" in ptx or "ld.global.u64" in ptx or "ld.global.nc.b64" in ptx   # the table word
