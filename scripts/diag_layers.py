@@ -23,17 +23,18 @@ if not os.path.exists("/dev/nvidiactl"):      # no GPU: kernels run under the in
 
 def build(kind, cfg, tp, rows, fmt, pos, device):
     import torch
-    import layer_baselines as lb
+    import layer_bytes
+    import rank_source
     from glm53_flash.launches.dense import DenseLaunch
     from glm53_flash.launches.embed import EmbedLaunch
     from glm53_flash.launches.kda import KdaLaunch
     from glm53_flash.launches.nextn import NextnLaunch
     from glm53_flash.launches.sparse import SparseLaunch
-    src = lb.RankSource(cfg, 0, tp, fmt, device, seed=0)
+    src = rank_source.RankSource(cfg, 0, tp, fmt, device, seed=0)
     g = torch.Generator(device=device).manual_seed(3)
     if kind in ("embed", "dense", "kda"):
         cls = {"embed": EmbedLaunch, "dense": DenseLaunch, "kda": KdaLaunch}[kind]
-        L = cls(cfg, src, lb.layer_of(cfg, kind), tp_rank=0, tp_size=tp, width=rows, device=device)
+        L = cls(cfg, src, layer_bytes.layer_of(cfg, kind), tp_rank=0, tp_size=tp, width=rows, device=device)
         nh, d = cfg.linear_num_heads // tp, cfg.linear_head_dim
         S = 0.1 * torch.randn(rows, nh, d, d, device=device, generator=g)
         win = torch.randn(rows, cfg.linear_conv_kernel_dim - 1, 3 * nh * d, device=device, generator=g)
@@ -42,7 +43,7 @@ def build(kind, cfg, tp, rows, fmt, pos, device):
         return L, lambda f=None: L.run(X, S, win, inject_fault=f, commit=False)
     pos_max = -(-(pos + 2) // cfg.index_kpool) * cfg.index_kpool
     kw = dict(tp_rank=0, tp_size=tp, width=rows, device=device, max_len=pos_max)
-    L = NextnLaunch(cfg, src, **kw) if kind == "nextn" else SparseLaunch(cfg, src, lb.layer_of(cfg, kind), **kw)
+    L = NextnLaunch(cfg, src, **kw) if kind == "nextn" else SparseLaunch(cfg, src, layer_bytes.layer_of(cfg, kind), **kw)
     lat = torch.randn(rows, pos_max, cfg.kv_lora_rank, device=device, generator=g).bfloat16()
     pk = torch.randn(rows, pos_max // cfg.index_kpool, cfg.index_head_dim, device=device, generator=g).bfloat16()
     tr = torch.randn(rows, cfg.index_kpool, 2 * cfg.index_head_dim, device=device, generator=g)

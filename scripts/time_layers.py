@@ -9,7 +9,7 @@ launches; windows of all cases are interleaved and the median per-launch time is
 Kinds: `gemv` times the GEMVs of one rank (our GEMV family beside cuBLAS); `tail` times the tail launch
 (glm53_flash/launches/tail.py); `embed`, `dense`, `kda`, `sparse`, `nextn` time one layer launch of that
 kind (rank 0; TP > 1 in loopback mode, the other ranks' partial sums read as zeros) built from random rank
-weights made on the GPU (scripts/layer_baselines.py `RankSource`), beside the same layer as torch ops
+weights made on the GPU (scripts/rank_source.py `RankSource`), beside the same layer as torch ops
 (bf16 weights, cuBLAS GEMVs, the reference's fp32 math between them, MoE through torch._grouped_mm or a
 gather) in a CUDA graph, interleaved in the same windows; `step` times embed, dense, kda, sparse and tail
 in turn and sums them over one decode step's launch plan beside the sum of floors (or, with --from, sums
@@ -19,7 +19,7 @@ returning [BenchCase] (name, one callable per weight copy, bytes read).
 Layer kinds rotate over as many weight copies as fit (3x the L2 in bytes read); when only one fits, every
 launch is preceded by a pure read over 3x the L2 and that read, timed alone in the same windows, is
 subtracted (the card says which: timing=rotate|flush). The floor counts the bytes one launch must read
-(layer_baselines.launch_bytes): this rank's weights, the routed experts actually chosen (distinct ids of
+(layer_bytes.launch_bytes): this rank's weights, the routed experts actually chosen (distinct ids of
 the baseline's routing of the same rows), KDA state and conv window read + written, DSA latent rows
 selected, pooled keys scored, activations. `--dry-run` builds everything at the tiny preset on the CPU
 (TRITON_INTERPRET=1), runs each launch once against its baseline and prints the accounting, untimed.
@@ -37,7 +37,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))      # layer_baselines
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))      # rank_source, layer_bytes, layer_baselines
 if "--dry-run" in sys.argv[1:]:          # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -178,6 +178,8 @@ def build_layer(kind: str, cfg, tp: int, rows: int, weights: str, device: str, o
     over rotated copies of random rank weights made on the device, beside the same layer as torch ops.
     Returns (cases, accounting dict)."""
     import layer_baselines as lb
+    import layer_bytes as lbytes
+    import rank_source
     from glm53_flash.launches.dense import DenseLaunch
     from glm53_flash.launches.embed import EmbedLaunch
     from glm53_flash.launches.kda import KdaLaunch
@@ -186,8 +188,8 @@ def build_layer(kind: str, cfg, tp: int, rows: int, weights: str, device: str, o
     o = dict(opts or {})
     pos, dry = o.get("pos", 4095), o.get("dry", device == "cpu")
     fmt, H = weights, cfg.hidden_size
-    est = sum(lb.launch_bytes(kind, cfg, tp, rows, fmt, pos).values())
-    res = lb.resident_bytes(cfg, kind, tp, fmt)
+    est = sum(lbytes.launch_bytes(kind, cfg, tp, rows, fmt, pos).values())
+    res = lbytes.resident_bytes(cfg, kind, tp, fmt)
     if dry:
         copies = 1
     else:
@@ -199,14 +201,14 @@ def build_layer(kind: str, cfg, tp: int, rows: int, weights: str, device: str, o
     pos_max = -(-(pos + 2) // cfg.index_kpool) * cfg.index_kpool
     cls = {"embed": EmbedLaunch, "dense": DenseLaunch, "kda": KdaLaunch, "sparse": SparseLaunch,
            "nextn": NextnLaunch}[kind]
-    layer = lb.layer_of(cfg, kind)
+    layer = lbytes.layer_of(cfg, kind)
     lkw = {k: v for k, v in o.items() if k in ("grid", "num_warps", "block_n", "num_stages") and v is not None}
     launches, bases, fns, bfns = [], [], [], []
     info: dict = {"fmt": fmt, "copies": copies, "timing": mode}
     n_routed, err = None, {}
     for c in range(copies):
         torch.manual_seed(c)
-        src = lb.RankSource(cfg, 0, tp, fmt, device, seed=c)
+        src = rank_source.RankSource(cfg, 0, tp, fmt, device, seed=c)
         kw = dict(tp_rank=0, tp_size=tp, width=rows, device=device, **lkw)
         if kind in ("sparse", "nextn"):
             kw["max_len"] = pos_max
@@ -265,7 +267,7 @@ def build_layer(kind: str, cfg, tp: int, rows: int, weights: str, device: str, o
     if n_routed is None and kind in ("kda", "sparse", "nextn"):    # fp8: no baseline; rows x top-k bounds it
         n_routed = min(rows * cfg.num_experts_per_tok, cfg.n_routed_experts)
         source = "rows x top-k: exact for 1 row, an upper bound for more"
-    acct = lb.launch_bytes(kind, cfg, tp, rows, fmt, pos, n_routed)
+    acct = lbytes.launch_bytes(kind, cfg, tp, rows, fmt, pos, n_routed)
     nbytes = sum(acct.values())
     L0 = launches[0]
     info.update({"grid": L0.grid, "warps": L0.num_warps, "block_n": L0.block_n,
@@ -283,7 +285,7 @@ def build_layer(kind: str, cfg, tp: int, rows: int, weights: str, device: str, o
     checks = [L.check for L in launches] + [L.tail_launch.check for L in launches if kind == "nextn"]
     cases.insert(0, BenchCase(label, fns, nbytes, info, checks=checks))
     if kind == "nextn":
-        nb = sum(lb.launch_bytes(kind, cfg, tp, rows, fmt, pos, n_routed, logits=False).values())
+        nb = sum(lbytes.launch_bytes(kind, cfg, tp, rows, fmt, pos, n_routed, logits=False).values())
         f2 = [lambda L=L: L.enqueue() for L in launches]
         if mode == "flush" and not dry:
             f2 = [lambda L=L: (flush(), L.enqueue()) for L in launches]
@@ -382,15 +384,15 @@ def main(argv=None) -> int:
                          "a grid that cannot be co-resident is refused)")
     args = ap.parse_args(argv)
     dry = args.dry_run
-    import layer_baselines as lb
+    import layer_bytes as lbytes
     if args.from_json:
         if args.kind != "step":
             ap.error("--from goes with --kind step")
         from glm53_flash.config import preset
         cfg = preset(args.preset or "glm53-flash")
-        per, post = lb.per_kind_from_json(args.from_json, STEP_KINDS), []
+        per, post = lbytes.per_kind_from_json(args.from_json, STEP_KINDS), []
         rec = {"title": "time_layers --kind step --from", "files": args.from_json,
-               "step": lb.step_summary(cfg, per, STEP_KINDS, post),
+               "step": lbytes.step_summary(cfg, per, STEP_KINDS, post),
                "per_kind": {k: {kk: v[kk] for kk in ("us", "floor_us", "torch_us", "bytes", "source")}
                             for k, v in per.items()}}
         print("\n".join(post))
@@ -436,7 +438,7 @@ def main(argv=None) -> int:
             us = {c.name: float("nan") for c in cases}
         else:
             us = apply_minus(cases, time_interleaved(cases, args.reps, args.windows))
-        total = lb.print_accounting(kind, acct, bw, notes)
+        total = lbytes.print_accounting(kind, acct, bw, notes)
         base = next((c for c in cases if c.name.startswith("  torch ops")), None)
         per_kind[kind] = {"us": us[cases[0].name], "bytes": total, "floor_us": total / bw * 1e6,
                           "torch_us": us[base.name] if base else None, "acct": acct}
@@ -454,10 +456,10 @@ def main(argv=None) -> int:
                                 "timing": v["acct"].get("timing"), "copies": v["acct"].get("copies")}
                             for k, v in per_kind.items()}, "pos": args.pos}
     if args.kind == "step":
-        extra["step"] = lb.step_summary(cfg, per_kind, STEP_KINDS, post)
+        extra["step"] = lbytes.step_summary(cfg, per_kind, STEP_KINDS, post)
     title = f"time_layers --kind {args.kind}" + (" --dry-run" if dry else "")
     if dry:
-        lb.dry_report(title, card, bw, all_cases, extra, notes, post)
+        lbytes.dry_report(title, card, bw, all_cases, extra, notes, post)
     else:
         report(title, card, bw, all_cases, all_us, extra_cols=cols, extra=extra, notes=notes, post=post)
     return 0

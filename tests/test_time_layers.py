@@ -16,8 +16,10 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCRIPTS = os.path.join(ROOT, "scripts")
 sys.path.insert(0, SCRIPTS)
 
-import layer_baselines as lb                   # noqa: E402
+import layer_bytes as lb                       # noqa: E402
+import rank_source                             # noqa: E402
 from glm53_flash.config import preset          # noqa: E402
+from glm53_flash.weights import weight_specs   # noqa: E402
 
 TOL = 2e-2          # launch vs the torch baseline (bf16 hand-offs on both sides)
 
@@ -105,10 +107,10 @@ def test_sparse_cache_bytes_hand_count():
 
 def test_fp8_pieces_follow_tp_rule():
     cfg = preset("glm53-flash")
-    spec = lb.weight_specs(cfg)["model.language_model.layers.1.mlp.gate_proj.weight"]    # [12288, 4096]
-    assert lb.piece_bytes(spec, 8, "fp8") == 1536 * 4096 + 12 * 32 * 4
-    tiny = lb.weight_specs(preset("tiny"))["model.language_model.layers.1.mlp.gate_proj.weight"]   # [512, 256]
-    assert not lb.piece_fp8(tiny, 8, "fp8") and lb.piece_bytes(tiny, 8, "fp8") == 64 * 256 * 2     # dequantized
+    spec = weight_specs(cfg)["model.language_model.layers.1.mlp.gate_proj.weight"]    # [12288, 4096]
+    assert rank_source.piece_bytes(spec, 8, "fp8") == 1536 * 4096 + 12 * 32 * 4
+    tiny = weight_specs(preset("tiny"))["model.language_model.layers.1.mlp.gate_proj.weight"]   # [512, 256]
+    assert not rank_source.piece_fp8(tiny, 8, "fp8") and rank_source.piece_bytes(tiny, 8, "fp8") == 64 * 256 * 2     # dequantized
 
 
 def test_timed_path_with_fake_timer(monkeypatch, capsys, tmp_path):
