@@ -223,6 +223,17 @@ def test_layer_kinds_api_and_bad_inputs(tiny_cfg, tiny_weights, gen):
         DenseLaunch(tiny_cfg, tiny_weights, 4)
     with pytest.raises(ValueError, match="width=3"):
         DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, width=3)
+    from glm53_flash.launches.sparse import SparseLaunch
+    from glm53_flash.launches.tail import TailLaunch
+    for make in (lambda **kw: DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, **kw),   # one check, every kind
+                 lambda **kw: SparseLaunch(tiny_cfg, tiny_weights, 3, **kw),
+                 lambda **kw: TailLaunch(tiny_cfg, torch.zeros(tiny_cfg.vocab_size, tiny_cfg.hidden_size,
+                                                     dtype=torch.bfloat16),
+                                         torch.ones(tiny_cfg.hidden_size, dtype=torch.bfloat16), **kw)):
+        with pytest.raises(ValueError, match=r"tp_rank=2 must be in \[0, tp_size=2\)"):
+            make(tp_rank=2, tp_size=2)
+        with pytest.raises(ValueError, match="width=5 must be one of"):
+            make(width=5)
     L = DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, width=2)
     X = torch.randn(3, 4, tiny_cfg.hidden_size, generator=gen)
     S = torch.zeros(3, 4, 64, 64)

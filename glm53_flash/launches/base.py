@@ -27,6 +27,18 @@ def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+WIDTHS = (1, 2, 4, 8)       # batch widths a launch is built for
+
+
+def check_rank_width(kind: str, cfg, tp_rank, tp_size, width) -> None:
+    """The TP degree (cfg.check_tp), this rank's index in it and the batch width, or a ValueError."""
+    cfg.check_tp(tp_size)
+    if not (isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
+        raise ValueError(f"{kind}: tp_rank={tp_rank!r} must be in [0, tp_size={tp_size})")
+    if width not in WIDTHS:
+        raise ValueError(f"{kind}: width={width!r} must be one of {WIDTHS}")
+
+
 class Launch:
     kind = "base"
     num_warps = 4

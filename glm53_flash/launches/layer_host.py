@@ -26,11 +26,10 @@ from layout import Planner
 from .. import tp as tp_mod
 from ..schedule import TaskGraph
 from ..weights import PREFIX, weight_specs
-from .base import Launch, run_interleaved
+from .base import Launch, check_rank_width, run_interleaved
 from .ffn import BOX_BASE_H as BOX_BASE
 from .kda_layer import BOXES, FAMILIES, META, META_WORDS, ROWS_REGIONS, kda_layer_kernel
 
-WIDTHS = (1, 2, 4, 8)
 ROWS_PAD = 8
 SLOT = 40
 DEFAULT_MAXNREG = 128       # ptxas cap (-1 = this default; None = ptxas's choice): see kda_layer.py "Registers"
@@ -99,12 +98,8 @@ class KdaLayerLaunch(Launch):
                  num_warps: int = 4, act_dtype: str = "bfloat16", maxnreg: int | None = -1, **tag_kw):
         super().__init__(grid=grid, device=device, timeout_s=timeout_s, **tag_kw)
         self.maxnreg = DEFAULT_MAXNREG if maxnreg == -1 else maxnreg
-        cfg.check_tp(tp_size)
         k = self.kind
-        if not (isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
-            raise ValueError(f"{k}: tp_rank={tp_rank!r} must be in [0, tp_size={tp_size})")
-        if width not in WIDTHS:
-            raise ValueError(f"{k}: width={width!r} must be one of {WIDTHS}")
+        check_rank_width(k, cfg, tp_rank, tp_size, width)
         if not isinstance(layer, int) or not 0 <= layer < cfg.num_hidden_layers:
             raise ValueError(f"{k}: layer={layer!r} outside [0, {cfg.num_hidden_layers})")
         plan = cfg.layers[layer]

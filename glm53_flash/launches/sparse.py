@@ -55,7 +55,8 @@ from ..kernels.indexer import topk_passes
 from ..kernels.mla import AttentionSplit, choose_attention_split
 from ..schedule import TaskGraph
 from .kda import KdaLaunch
-from .layer_host import ROWS_PAD, WIDTHS, _ranges, rank_tensors
+from .base import check_rank_width
+from .layer_host import ROWS_PAD, _ranges, rank_tensors
 from .sparse_layer import BOXES, FAMILIES, META, META_WORDS, ROWS_REGIONS, sparse_layer_kernel
 
 T_MAX_LIMIT = 16        # selection tasks per row (kernels/indexer.py: registers measured at T_MAX 16)
@@ -83,12 +84,8 @@ class SparseLaunch(KdaLaunch):
                  block_p: int = 16, bits: int = 8, sm_count: int | None = None, **tag_kw):
         from .base import Launch
         Launch.__init__(self, grid=grid, device=device, timeout_s=timeout_s, **tag_kw)
-        cfg.check_tp(tp_size)
         k = self.kind
-        if not (isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
-            raise ValueError(f"{k}: tp_rank={tp_rank!r} must be in [0, tp_size={tp_size})")
-        if width not in WIDTHS:
-            raise ValueError(f"{k}: width={width!r} must be one of {WIDTHS}")
+        check_rank_width(k, cfg, tp_rank, tp_size, width)
         if not isinstance(layer, int) or not 0 <= layer <= cfg.num_hidden_layers:
             raise ValueError(f"{k}: layer={layer!r} outside [0, {cfg.num_hidden_layers})")
         if layer < cfg.num_hidden_layers and cfg.layers[layer].launch != k:

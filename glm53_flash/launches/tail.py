@@ -49,12 +49,11 @@ from ..kernels.gemv import gemv_finish, gemv_prefetch, gemv_store
 from ..kernels.sample import (ROWS_PAD, SLOT_WORDS, argmax_merge, empty_candidate, publish_candidate,
                               reduce_candidates, tile_argmax)
 from ..schedule import TaskGraph
-from .base import Launch, interpreting
+from .base import Launch, check_rank_width, interpreting
 
 FAMILIES = {"norm": 0, "norm_local": 1, "gemv": 2, "reduce": 3, "peer": 4, "final": 5}
 NORM_MODES = ("box", "local")
 DEFAULT_NORM_MODE = "box"
-WIDTHS = (1, 2, 4, 8)
 F32_NEG_INF_BITS = -8388608          # 0xFF800000
 INT32_MAX = 2147483647
 ROWS_H = 8                           # widest build = rows of a candidate slot (host int)
@@ -270,11 +269,7 @@ class TailLaunch(Launch):
                  maxnreg: int | None = -1, **tag_kw):
         self._auto_grid = grid is None and not interpreting()
         super().__init__(grid=grid, device=device, timeout_s=timeout_s, **tag_kw)
-        cfg.check_tp(tp_size)
-        if not (isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
-            raise ValueError(f"tail: tp_rank={tp_rank!r} must be in [0, tp_size={tp_size})")
-        if width not in WIDTHS:
-            raise ValueError(f"tail: width={width!r} must be one of {WIDTHS}")
+        check_rank_width("tail", cfg, tp_rank, tp_size, width)
         if norm_mode not in NORM_MODES:
             raise ValueError(f"tail: norm_mode={norm_mode!r} must be one of {NORM_MODES}")
         H, V = cfg.hidden_size, cfg.vocab_size
