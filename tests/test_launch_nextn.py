@@ -14,6 +14,7 @@ from glm53_flash.launches.nextn import NextnLaunch
 from glm53_flash.launches.sparse import layer_caches
 from sync import HandoffTimeout
 from test_launch_dense import TOL_BF16, rel, rel_rows, tiny_ref  # noqa: F401 (fixture)
+from test_launch_sparse import gpu_matrix
 
 MAX_LEN = 64
 
@@ -192,11 +193,7 @@ def mtp_visible_equal_views(st, caches, d, positions, kp):
     return True
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-@pytest.mark.parametrize("tp", [1, 8], ids=["tp1", "tp8"])
-@pytest.mark.parametrize("rows", [1, 8], ids=["rows1", "rows8"])
-@pytest.mark.parametrize("pos", [640, 8191, 65535])
+@gpu_matrix
 def test_gpu_nextn(pos, rows, tp, fmt):
     from test_launch_sparse import gpu_positions, real_cfg
     nextn_check(real_cfg(nextn=True), gpu_positions(pos, rows), tp, fmt)

@@ -511,11 +511,18 @@ def gpu_positions(pos, rows):
     return [max(1, pos - 37 * r) for r in range(rows)]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-@pytest.mark.parametrize("tp", [1, 8], ids=["tp1", "tp8"])
-@pytest.mark.parametrize("rows", [1, 8], ids=["rows1", "rows8"])
-@pytest.mark.parametrize("pos", [640, 8191, 65535])
+def gpu_matrix(test):
+    """The DSA kinds' GPU cases (issue 5): positions 640 / 8191 / 65535 x 1 / 8 rows x TP1 / TP8 x bf16 /
+    FP8, ids as scripts/gpu_matrix.sh selects them (-k 'tp8 and bf16 and 8191')."""
+    for mark in (pytest.mark.parametrize("pos", [640, 8191, 65535]),      # innermost first: ids pos-rows-tp-fmt
+                 pytest.mark.parametrize("rows", [1, 8], ids=["rows1", "rows8"]),
+                 pytest.mark.parametrize("tp", [1, 8], ids=["tp1", "tp8"]),
+                 pytest.mark.parametrize("fmt", ["bf16", "fp8"]), pytest.mark.gpu):
+        test = mark(test)
+    return test
+
+
+@gpu_matrix
 def test_gpu_sparse(pos, rows, tp, fmt):
     sparse_layer_check(real_cfg(), 3, gpu_positions(pos, rows), tp, fmt)
 
