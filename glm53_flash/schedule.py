@@ -29,6 +29,41 @@ MAX_ARGS = TASK_WORDS - 2
 TASK_COST_FLOOR = 64 * 1024     # bytes-equivalent of a task's fixed time: ~2 us of one SM's share of HBM
 
 
+# ---------------------------------------------------------------------- split-K of weight-streaming stages
+# A GEMV task's time is its K steps times a step's cost, and one CTA streams only a share of the chip's
+# bandwidth, so a stage of few tiles must also split K (DESIGN.md §5 "every stage on every SM"). The
+# split is chosen for a NOMINAL grid, never the launch's own: the partial planes join in a fixed order
+# whose count must not depend on the grid, or a row's bits would (grid invariance, tests/test_launch_*).
+NOMINAL_GRID = 264              # CTAs of a KDA-family launch on a 132-SM H100 / H200 (2 per SM)
+CHIP_BW = 4.4e6                 # bytes per us: the H200's measured streaming read bandwidth
+CTA_BW = 30e3                   # bytes per us one CTA streams alone (>= 48 KB in flight; DESIGN.md §5)
+TASK_US = 1.0                   # a task's fixed cost: pipeline fill, its wait and publish (us)
+MAX_K_SPLIT = 16
+
+
+def stage_time_us(n_tasks: int, task_bytes: float, grid: int = NOMINAL_GRID) -> float:
+    """Model of a weight-streaming stage of n_tasks equal tasks: whole waves over the grid, each task
+    streaming at the busy CTAs' share of the chip's bandwidth (at most one CTA's own rate)."""
+    waves = -(-n_tasks // grid)
+    bw = min(CHIP_BW / min(n_tasks, grid), CTA_BW)
+    return waves * (task_bytes / bw + TASK_US)
+
+
+def choose_k_split(n_tiles: int, k_steps: int, step_bytes: int, *, max_split: int = MAX_K_SPLIT) -> int:
+    """K slices per output tile (a power of two dividing k_steps, <= max_split) that minimise
+    stage_time_us on the nominal grid; ties to the smaller split (fewer planes to join). Depends only on
+    the stage's shape, so every grid and width gets the same bits. E.g. (measured shapes, bf16, 64 x 128
+    steps of 16 KB): KDA in_proj TP8 53 tiles x 32 steps -> 4; TP1 389 tiles -> 2."""
+    best, best_t = 1, stage_time_us(n_tiles, k_steps * step_bytes)
+    s = 2
+    while s <= max_split and k_steps % s == 0:
+        t = stage_time_us(n_tiles * s, k_steps * step_bytes / s)
+        if t < best_t - 1e-9:
+            best, best_t = s, t
+        s *= 2
+    return best
+
+
 class ScheduleError(ValueError):
     """The task graph cannot be scheduled safely on this grid (cycle, bad stage order, too big)."""
 

@@ -78,7 +78,7 @@ def test_kda_fault_every_site_then_clean(tiny_cfg, tiny_weights, tiny_ref, gen, 
     X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 1, gen)
     S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
     L = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=1)
-    want = [f"kda.{s}" for s in ("hp1", "a_in", "yin", "o", "hp2", "a", "rl", "h", "xe")]
+    want = [f"kda.{s}" for s in ("hp1", "a_in", "yin", "o", "hp2", "a", "rl", "hg", "xe", "h")]
     assert sites("kda", head_dim=64) == want
     fault_every_site(L, X, S, W, want, clean_after=("kda.hp1", "kda.rl", "kda.xe"))
 
@@ -169,12 +169,23 @@ def real_consts(tp=1, moe=False, embed=False, fp8=False, warps=4, maxnreg=DEFAUL
     H, d, nh = 4096, 128, 64 // tp
     D = nh * d
     c = dict(H=H, D=D, NH=nh, R=d, N_IN=3 * D + nh + 2 * d, I=(2048 if moe else 12288) // tp, DK=d, DV=d, BV=32, KC=4,
-             CK=32, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=3, BLOCK_C=32, GATE_BH=512, ITERS=20, ROWS_PAD=8,
+             CK=32, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=5, BLOCK_C=32, GATE_BH=512, ITERS=20, ROWS_PAD=8,
              EMBED=embed, ACT_F32=False, MOE=moe, E=288 if moe else 1, KE=8 if moe else 1,
              I_E=(2048 // tp) if moe else 1, E_PAD=512 if moe else 1, K_PAD=8 if moe else 1, RENORM=True, BLOCK_E=16,
              RCK=32, TRACE=False)
+    c.update(real_k_splits(c, fp8))
     return dict(name=f"{'kda' if moe else 'embed' if embed else 'dense'}-tp{tp}-{'fp8' if fp8 else 'bf16'}-w{warps}",
                 consts=c, fp8=fp8, warps=warps, maxnreg=maxnreg)
+
+
+def real_k_splits(c, fp8):
+    """KS_IN / KS_GU / KS_E as the launches choose them (schedule.py choose_k_split) for constexprs c."""
+    from glm53_flash.schedule import choose_k_split
+    wb = 1 if fp8 else 2
+    step = c["BLOCK_N"] * 128
+    ks = lambda n, w: choose_k_split(-(-n // c["BLOCK_N"]), c["H"] // 128, step * w)     # noqa: E731
+    return dict(KS_IN=ks(c["N_IN"], 2) if "N_IN" in c else 1, KS_GU=ks(c["I"], 2 * wb),
+                KS_E=ks(c["KE"] * c["I_E"], 2 * wb) if c["MOE"] else 1)
 
 
 def compile_sm90(variants):

@@ -193,7 +193,7 @@ def test_sparse_tp2_simulated(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread)
     xchg = new_xchg(tiny_cfg, 2, 2, "cpu")
     Ls = [SparseLaunch(tiny_cfg, tiny_weights, LAYER, tp_rank=r, tp_size=2, width=2, xchg=xchg, max_len=MAX_LEN)
           for r in range(2)]
-    assert Ls[0].NHA == 2 and [s.split(".")[1] for s in Ls[0].sites][-7:] == ["xo", "hp2", "a", "rl", "h", "xe", "xd"]
+    assert Ls[0].NHA == 2 and [s.split(".")[1] for s in Ls[0].sites][-8:] == ["xo", "hp2", "a", "rl", "hg", "xe", "h", "xd"]
     cks = [caches.clone() for _ in range(2)]                                 # every rank keeps its own copy
     with pytest.raises(HandoffTimeout, match="'sparse.xo'"):
         run_tp(Ls, [(X, *layer_caches(c, 0), [25, 30]) for c in cks], inject_fault="sparse.xo", fault_rank=1)
@@ -560,7 +560,11 @@ def sm90_spec(nextn=False, tp=1, fp8=False, warps=4, block_t=32):
                 ITERS=20, ROWS_PAD=8, ACT_F32=False, ABS_C=64, ABS_CK=64, HB=min(16, NH), BLOCK_T=block_t, ATT_CK=32,
                 OUT_N=64, OUT_PF=128, BLOCK_P=16, T_MAX=16, BITS=8, SEL_BLOCK=1024, NORM_BLOCK=256, E=288, KE=8,
                 I_E=I, E_PAD=512, K_PAD=8, RENORM=True, BLOCK_E=16, RCK=32, NEXTN=nextn,
-                TRACE=False)
+                TRACE=False, MOE=True)
+    from test_launch_kda import real_k_splits
+    ks = real_k_splits(real, fp8)
+    real.update(KS_GU=ks["KS_GU"], KS_E=ks["KS_E"])
+    del real["MOE"]
     assert set(real) == set(const), set(real) ^ set(const)
     sig.update({n: "constexpr" for n in real})
     return ["glm53_flash.launches.sparse_layer", "sparse_layer_kernel", {n: sig[n] for n in k.arg_names}, real, warps]

@@ -295,6 +295,47 @@ def _finish_one(w0, w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K, ROWS_
 
 
 @triton.jit
+def plane_sum(ptr, offs, mask, plane_stride, KS: tl.constexpr):
+    """sum over s < KS of ptr[s * plane_stride + offs] (fp32), added in plane order s = 0, 1, ...: the
+    consumer's join of a split-K stage's partial planes (launches/layer_host.py _gemv_stage). The KS
+    loads are independent, so they are in flight together: one round trip, not KS."""
+    v = tl.load(ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    for s in tl.static_range(1, KS):
+        v += tl.load(ptr + s * plane_stride + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return v
+
+
+@triton.jit
+def gemv_stream(w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K, ROWS_PAD: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr = False):
+    """acc [BLOCK_N, ROWS_PAD] fp32 = W[n0:n0+BLOCK_N, k0:k1] @ x[:, k0:k1]^T in ONE pipelined loop: the
+    persistent launches' GEMV (same K order, and so the same bits, as gemv_prefetch + gemv_finish with
+    PF_K = 128). Call it after the wait on x (move the weights toward L2 before the wait instead).
+
+    Why not prefetch + finish: the prefetched chunk is a register load outside the cp.async pipeline,
+    and its x is a synchronous load, so the loop's first NUM_STAGES - 1 copies were issued only after
+    one full round trip. Here the prologue issues them at once; W and x travel in the same cp.async
+    stages (x as 16-byte copies when x_ptr is 16-byte aligned: region offsets from meta words must go
+    through launches/ffn.py region_off, or x falls back to scalar loads outside the pipeline).
+    Stages hold (BLOCK_N + ROWS_PAD) * min(BLOCK_K, 128) * 2 bytes each (bf16): 18 KB at 64 x 128."""
+    CK: tl.constexpr = 128 if BLOCK_K > 128 else BLOCK_K
+    acc = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
+    if _interpreting():
+        k = k0
+        while k < k1:
+            for j in tl.static_range(BLOCK_K // CK):
+                w = _load_w(w_ptr, n0, k + j * CK, k1, N, K, BLOCK_N, CK, EVEN)
+                acc = _chunk(acc, w, s_ptr, x_ptr, stride_x, rows, n0, k + j * CK, k1, N, K, ROWS_PAD, CK, EVEN)
+            k += BLOCK_K
+    else:
+        for k in tl.range(k0, k1, BLOCK_K, num_stages=NUM_STAGES):
+            for j in tl.static_range(BLOCK_K // CK):
+                w = _load_w(w_ptr, n0, k + j * CK, k1, N, K, BLOCK_N, CK, EVEN)
+                acc = _chunk(acc, w, s_ptr, x_ptr, stride_x, rows, n0, k + j * CK, k1, N, K, ROWS_PAD, CK, EVEN)
+    return acc
+
+
+@triton.jit
 def _finish_rot(w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K, start, ROWS_PAD: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr):
     """Standalone-kernel K loop (GemvConfig.k_rotate >= 0): one pipelined loop over all n_steps =

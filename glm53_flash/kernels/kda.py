@@ -67,16 +67,19 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemv import plane_sum
+
 L2NORM_EPS = tl.constexpr(1e-6)     # reference/ops.py L2NORM_EPS
 
 
 # ---------------------------------------------------------------------------- pieces
 @triton.jit
-def _conv_step(qkv, win_in, win_out, conv_w, ch, wmask, C3, KC: tl.constexpr):
+def _conv_step(qkv, win_in, win_out, conv_w, ch, wmask, C3, KC: tl.constexpr, PS=0, KS: tl.constexpr = 1):
     """silu(sum_t win[t, ch] * w[ch, t] + x[ch] * w[ch, KC-1]) for a vector of channels ch.
 
-    Writes the shifted window (win[1:], x) to win_out for lanes where wmask (each word once per step)."""
-    x = tl.load(qkv + ch, cache_modifier=".cg").to(tl.float32)
+    Writes the shifted window (win[1:], x) to win_out for lanes where wmask (each word once per step).
+    KS > 1: x is the sum of KS split-K planes of the inproj, PS elements apart (gemv.py plane_sum)."""
+    x = plane_sum(qkv, ch, ch >= 0, PS, KS)
     acc = tl.zeros(ch.shape, dtype=tl.float32)
     for t in tl.static_range(KC - 1):
         wt = tl.load(win_in + t * C3 + ch)
@@ -105,7 +108,7 @@ def kda_load_vec(ptr, n0, N: tl.constexpr):
 
 
 @triton.jit
-def kda_lowrank(w_ptr, x_ptr, n0, R: tl.constexpr, BN: tl.constexpr, CK: tl.constexpr):
+def kda_lowrank(w_ptr, x_ptr, n0, R: tl.constexpr, BN: tl.constexpr, CK: tl.constexpr, PS=0, KS: tl.constexpr = 1):
     """Rows [n0, n0 + BN) of W @ x for a rank-R up-projection W [N, R] (f_b or g_b, bf16/fp32) and the
     rank-R row x (the f_a / g_a output of the inproj, bf16/fp32): [BN] fp32, CK-wide chunks added in order.
     Lets a KDA task form its own f (DK values) and output gate (BV values) from the inproj output, so
@@ -115,14 +118,14 @@ def kda_lowrank(w_ptr, x_ptr, n0, R: tl.constexpr, BN: tl.constexpr, CK: tl.cons
     for k in tl.static_range(0, R, CK):
         kk = k + tl.arange(0, CK)
         w = tl.load(w_ptr + j[:, None].to(tl.int64) * R + kk[None, :]).to(tl.float32)     # [BN, CK]
-        x = tl.load(x_ptr + kk, cache_modifier=".cg").to(tl.float32)
+        x = plane_sum(x_ptr, kk, kk >= 0, PS, KS)                                           # x: KS planes
         acc += tl.sum(w * x[None, :], axis=1)
     return acc
 
 
 @triton.jit
 def kda_head_inputs(qkv, b, fv, win_in, win_out, conv_w, A_log, dt_bias, h, v0, D, lower_bound,
-                    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr):
+                    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, PS=0, KS: tl.constexpr = 1):
     """Conv + SiLU, l2norm, gate and beta of head h for the block task [v0, v0 + BV).
 
     fv [DK] fp32: f = f_b(f_a x) of head h (kda_load_vec of the f_b output, or kda_lowrank in-task).
@@ -138,15 +141,15 @@ def kda_head_inputs(qkv, b, fv, win_in, win_out, conv_w, A_log, dt_bias, h, v0, 
     i = v0 + tl.arange(0, BV)
     mine = (c >= v0) & (c < v0 + BV)                           # window channels this task owns
     # conv + SiLU: full q, k of the head (for the l2norm), v only for this block
-    q = _conv_step(qkv, win_in, win_out, conv_w, h * DK + c, mine, C3, KC)            # [DK]
-    k = _conv_step(qkv, win_in, win_out, conv_w, D + h * DK + c, mine, C3, KC)        # [DK]
-    v = _conv_step(qkv, win_in, win_out, conv_w, 2 * D + h * DV + i, i >= 0, C3, KC)  # [BV]
+    q = _conv_step(qkv, win_in, win_out, conv_w, h * DK + c, mine, C3, KC, PS, KS)            # [DK]
+    k = _conv_step(qkv, win_in, win_out, conv_w, D + h * DK + c, mine, C3, KC, PS, KS)        # [DK]
+    v = _conv_step(qkv, win_in, win_out, conv_w, 2 * D + h * DV + i, i >= 0, C3, KC, PS, KS)  # [BV]
     q = q / tl.sqrt(tl.sum(q * q, axis=0) + L2NORM_EPS) * (DK ** -0.5)
     k = k / tl.sqrt(tl.sum(k * k, axis=0) + L2NORM_EPS)
     # gate: g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)) per key channel; beta = sigmoid(b[h])
     z = fv + tl.load(dt_bias + h * DK + c)
     g = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + h)) * z)
-    beta = tl.sigmoid(tl.load(b + h, cache_modifier=".cg").to(tl.float32))
+    beta = tl.sigmoid(tl.sum(plane_sum(b, h + tl.arange(0, 1), h >= 0, PS, KS), axis=0))
     return q, k, v, tl.exp(g), beta
 
 
@@ -170,11 +173,12 @@ def kda_state_update(S_blk, q, k, v, decay, beta, S_out, h, v0, DV: tl.constexpr
 
 @triton.jit
 def kda_head_finish(S_blk, qkv, b, fv, win_in, win_out, conv_w, A_log, dt_bias, S_out, h, v0, D, lower_bound,
-                    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr):
+                    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, PS=0,
+                    KS: tl.constexpr = 1):
     """kda_head_inputs then kda_state_update: one token of head h on value rows [v0, v0 + BV).
     Returns (o [BV], sum o^2). S_blk: kda_state_prefetch's tile, issued before the inproj wait."""
     q, k, v, decay, beta = kda_head_inputs(qkv, b, fv, win_in, win_out, conv_w, A_log, dt_bias, h, v0, D,
-                                           lower_bound, DK, DV, BV, KC)
+                                           lower_bound, DK, DV, BV, KC, PS, KS)
     return kda_state_update(S_blk, q, k, v, decay, beta, S_out, h, v0, DV, DK, BV)
 
 

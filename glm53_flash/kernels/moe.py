@@ -38,9 +38,10 @@ rows and down columns of the rank) and y is a per-rank partial. Why not a pointe
 pointer keeps the kernel's signature fixed for any E and works under the interpreter (which copies
 tensor arguments, so raw addresses in a table would be wrong there). Ids are clamped to [0, E).
 
-Router numerics: x (bf16/fp32) times fp32 weights. Compiled, a tl.dot with input_precision "tf32x3"
-(~fp32 products; plain tf32 would round the weights to 10 bits and flip near-tied choices); under
-the interpreter a per-element fp32 product sum. Either way each logit is computed on its own, in a
+Router numerics: x (bf16/fp32) times fp32 weights. Compiled with bf16 x: W split into three bf16 parts
+(hi + mid + lo = all 24 mantissa bits), three bf16 MMAs with exact products and fp32 accumulation;
+with fp32 x a tl.dot with input_precision "tf32x3" (~fp32 products; plain tf32 would round the
+weights to 10 bits and flip near-tied choices); under the interpreter a per-element fp32 product sum. Either way each logit is computed on its own, in a
 fixed K order: deterministic and batch invariant.
 
 Layouts (row-major): x [rows, H]; wr [E, H] fp32; bias [E] fp32; part [n_parts, rows, E] fp32;
@@ -75,10 +76,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import FP8_BLOCK, GemvConfig, gemv_finish, gemv_prefetch, gemv_store
+from .gemv import FP8_BLOCK, GemvConfig, _mult16, gemv_finish, gemv_prefetch, gemv_store, gemv_stream
 from .mlp import TEST_CFG, check_cfg, check_weight, gateup_finish, gateup_prefetch, mlp_gateup_kernel
 
 ROUTER_DENOM_EPS = tl.constexpr(1e-20)      # reference/ops.py ROUTER_DENOM_EPS
+LOW32 = tl.constexpr(0xFFFFFFFF)            # router_select's key: low word = 0xFFFFFFFF - expert index
+KEY_MIN = tl.constexpr(-(2 ** 63))          # a removed expert's key
 ROUTER_CK = 32      # router K step: 64 registers at BLOCK_E 32 (CK 64: 114), sm_90 offline compile
 
 
@@ -92,8 +95,8 @@ def _interpreting():
 def router_prefetch(wr, e0, k0, k1, E, H, BLOCK_E: tl.constexpr, CK: tl.constexpr):
     """wr[e0 : e0 + BLOCK_E, k0 : k0 + CK] fp32 (zero outside e < E, k < k1). No activation needed."""
     offs_e = e0 + tl.arange(0, BLOCK_E)
-    offs_k = k0 + tl.arange(0, CK)
-    m = (offs_e[:, None] < E) & (offs_k[None, :] < k1)
+    offs_k = _mult16(k0) + tl.arange(0, CK)       # K ranges start and end on multiples of CK: 16-byte copies
+    m = (offs_e[:, None] < E) & (offs_k[None, :] < _mult16(k1))
     return tl.load(wr + offs_e[:, None].to(tl.int64) * H + offs_k[None, :], mask=m, other=0.0)
 
 
@@ -101,14 +104,26 @@ def router_prefetch(wr, e0, k0, k1, E, H, BLOCK_E: tl.constexpr, CK: tl.constexp
 def _router_chunk(acc, w, x, stride_x, rows, k, k1, ROWS_PAD: tl.constexpr, CK: tl.constexpr):
     """acc [BE, R] += w [BE, CK] (fp32) @ x[:, k : k + CK]^T (as fp32)."""
     offs_r = tl.arange(0, ROWS_PAD)
-    offs_k = k + tl.arange(0, CK)
-    xm = (offs_k[:, None] < k1) & (offs_r[None, :] < rows)
+    offs_k = _mult16(k) + tl.arange(0, CK)        # aligned, and the mask constant over 16 k (k1 too): x
+    xm = (offs_k[:, None] < _mult16(k1)) & (offs_r[None, :] < rows)     # streams as cp.async copies, not per step
     xt = tl.load(x + offs_r[None, :] * stride_x + offs_k[:, None], mask=xm, other=0.0,
-                 cache_modifier=".cg").to(tl.float32)                           # [CK, R]
+                 cache_modifier=".cg")                                          # [CK, R]
     if _interpreting():
-        return acc + tl.sum(w[:, :, None] * xt[None, :, :], axis=1)
+        return acc + tl.sum(w[:, :, None] * xt.to(tl.float32)[None, :, :], axis=1)
+    elif xt.dtype == tl.bfloat16:
+        # bf16 x is exact in bf16, so split only W: w = hi + mid + lo, three bf16 parts (24 mantissa bits,
+        # all of fp32's), each product exact, fp32 accumulation, small terms first. x then feeds the MMA in
+        # bf16 as in the GEMV, and Triton's pipeliner streams it with the weights (cp.async); through the
+        # tf32x3 form the converted x stayed a synchronous load in every K step.
+        hi = w.to(tl.bfloat16)
+        r1 = w - hi.to(tl.float32)
+        mid = r1.to(tl.bfloat16)
+        lo = (r1 - mid.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(lo, xt, acc)
+        acc = tl.dot(mid, xt, acc)
+        return tl.dot(hi, xt, acc)
     else:
-        return tl.dot(w, xt, acc, input_precision="tf32x3")
+        return tl.dot(w, xt.to(tl.float32), acc, input_precision="tf32x3")
 
 
 @triton.jit
@@ -141,6 +156,16 @@ def router_store_partial(part, lg, rows, e0, E, ROWS_PAD: tl.constexpr, BLOCK_E:
 
 
 @triton.jit
+def _order_key(v, e):
+    """int64 keys whose signed order is (v descending, e ascending): the float's bits made monotonic in
+    the high word (negative floats flipped), 0xFFFFFFFF - e in the low word. One max over keys then
+    gives the best value and, among equals, the lowest index."""
+    b = v.to(tl.int32, bitcast=True)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return (b.to(tl.int64) << 32) | (LOW32 - e.to(tl.int64))
+
+
+@triton.jit
 def router_select(part, stride_p, n_parts, bias, E, scaling, K: tl.constexpr, E_PAD: tl.constexpr,
                   K_PAD: tl.constexpr, RENORM: tl.constexpr):
     """One row's routing from its logit partials (part: row r of part plane 0; planes stride_p apart).
@@ -148,26 +173,46 @@ def router_select(part, stride_p, n_parts, bias, E, scaling, K: tl.constexpr, E_
     Returns ids [K_PAD] int32 (entries >= K are 0) and weights [K_PAD] fp32: the top-K of
     sigmoid(logit) + bias, ties to the lower expert index (the reference's stable descending sort),
     ordered by descending choice score; weights = sigmoid scores of the chosen experts / (their sum +
-    1e-20) (RENORM) * scaling. Partials join in part order 0, 1, ..., n_parts - 1."""
+    1e-20) (RENORM) * scaling. Partials join in part order 0, 1, ..., n_parts - 1.
+
+    Round trips: the planes are loaded 8 at a time (all 8 loads issued, then added in part order: a
+    masked plane adds +0.0, which changes no bits), so 16 parts cost 2 dependent L2 round trips, not 16.
+    Each pick is ONE CTA-wide reduction (max of _order_key: value and lowest index together) instead of
+    three (max, argmin, gather); the weights are gathered once after the loop."""
     e = tl.arange(0, E_PAD)
     m = e < E
-    logit = tl.load(part + e, mask=m, other=0.0, cache_modifier=".cg")
-    p = 1
+    logit = tl.zeros([E_PAD], dtype=tl.float32)
+    p = 0
     while p < n_parts:
-        logit += tl.load(part + p * stride_p + e, mask=m, other=0.0, cache_modifier=".cg")
-        p += 1
+        v0 = tl.load(part + p * stride_p + e, mask=m, other=0.0, cache_modifier=".cg")
+        v1 = tl.load(part + (p + 1) * stride_p + e, mask=m & (p + 1 < n_parts), other=0.0, cache_modifier=".cg")
+        v2 = tl.load(part + (p + 2) * stride_p + e, mask=m & (p + 2 < n_parts), other=0.0, cache_modifier=".cg")
+        v3 = tl.load(part + (p + 3) * stride_p + e, mask=m & (p + 3 < n_parts), other=0.0, cache_modifier=".cg")
+        v4 = tl.load(part + (p + 4) * stride_p + e, mask=m & (p + 4 < n_parts), other=0.0, cache_modifier=".cg")
+        v5 = tl.load(part + (p + 5) * stride_p + e, mask=m & (p + 5 < n_parts), other=0.0, cache_modifier=".cg")
+        v6 = tl.load(part + (p + 6) * stride_p + e, mask=m & (p + 6 < n_parts), other=0.0, cache_modifier=".cg")
+        v7 = tl.load(part + (p + 7) * stride_p + e, mask=m & (p + 7 < n_parts), other=0.0, cache_modifier=".cg")
+        logit += v0                         # (0.0 + v0 can only turn -0.0 into +0.0: same sigmoid)
+        logit += v1
+        logit += v2
+        logit += v3
+        logit += v4
+        logit += v5
+        logit += v6
+        logit += v7
+        p += 8
     s = tl.sigmoid(logit)                                                     # [E_PAD] fp32
     choice = tl.where(m, s + tl.load(bias + e, mask=m, other=0.0), float("-inf"))
+    key = _order_key(choice, e)
     kk = tl.arange(0, K_PAD)
     ids = tl.zeros([K_PAD], dtype=tl.int32)
-    w = tl.zeros([K_PAD], dtype=tl.float32)
     for j in tl.static_range(K):
-        best = tl.max(choice, axis=0)
-        idx = tl.min(tl.where(choice == best, e, E_PAD), axis=0)              # lowest index among equals
-        sj = tl.sum(tl.where(e == idx, s, 0.0), axis=0)
+        best = tl.max(key, axis=0)
+        idx = (~best & LOW32).to(tl.int32)                                    # lowest index among equals
         ids = tl.where(kk == j, idx, ids)
-        w = tl.where(kk == j, sj, w)
-        choice = tl.where(e == idx, float("-inf"), choice)
+        key = tl.where(e == idx, KEY_MIN, key)
+    # weights: s of each chosen expert, one 2-D gather (entries >= K stay 0)
+    w = tl.sum(tl.where((e[None, :] == ids[:, None]) & (kk[:, None] < K), s[None, :], 0.0), axis=1)
     if RENORM:
         w = w / (tl.sum(w, axis=0) + ROUTER_DENOM_EPS)
     return ids, w * scaling
@@ -244,8 +289,11 @@ def moe_down_finish(d0, wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, w_d, 
     (bf16/fp32); w_d packed [E, H, I], s_d its FP8 scales [E, ceil(H/128), I/128] (pass w_d for bf16);
     sd_s: wd_s's scales (pass wd_s for bf16). ids_row / rw_row: the row's record; or, when the task ran
     router_select itself, its (ids, w) as ids_sel / w_sel ([K_PAD]; the record pointers are then unused)."""
-    shared = gemv_finish(d0, wd_s, sd_s, act_s_row, 0, 1, n0, 0, I_s, H, I_s,
-                         ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
+    if d0 is None:          # the launches: one pipelined loop (kernels/gemv.py gemv_stream), same bits
+        shared = gemv_stream(wd_s, sd_s, act_s_row, 0, 1, n0, 0, I_s, H, I_s, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
+    else:
+        shared = gemv_finish(d0, wd_s, sd_s, act_s_row, 0, 1, n0, 0, I_s, H, I_s,
+                             ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
     y = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
     for j in range(K):
         if ids_sel is None:
@@ -259,9 +307,7 @@ def moe_down_finish(d0, wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, w_d, 
             sd = s_d + e * (tl.cdiv(H, 128) * (I // 128))
         else:
             sd = wd
-        c0 = gemv_prefetch(wd, n0, 0, I, H, I, BLOCK_N, PF_K)
-        dj = gemv_finish(c0, wd, sd, act_e_row + j * I, 0, 1, n0, 0, I, H, I,
-                         ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
+        dj = gemv_stream(wd, sd, act_e_row + j * I, 0, 1, n0, 0, I, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
         y = y + dj * wj
     return y + shared
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 
 from ..kernels.moe import pack_experts
+from .ffn_tasks import ACT_COLS
 from .layer_host import KdaLayerLaunch
 
 RCK = 32            # router K step (kernels/moe.py ROUTER_CK)
 BLOCK_E = 16        # experts per router tile
-ROUTER_PARTS = 4    # K ranges of the router GEMV (72 tasks at E = 288)
+ROUTER_PARTS = 16   # K ranges of the router GEMV: 288 tasks of 16 KB at E = 288 (4 parts: 72 of 64 KB, ~30 us traced)
 
 
 class KdaLaunch(KdaLayerLaunch):
@@ -34,7 +35,7 @@ class KdaLaunch(KdaLayerLaunch):
     @classmethod
     def site_names(cls, tp_size: int = 1, block_v_split: bool = False) -> list[str]:
         s = ["hp1", "a_in", "yin"] + (["oraw"] if block_v_split else []) + ["o"]
-        s += (["xo"] if tp_size > 1 else []) + ["hp2", "a", "rl", "h", "xe"] + (["xd"] if tp_size > 1 else [])
+        s += (["xo"] if tp_size > 1 else []) + ["hp2", "a", "rl", "hg", "xe", "h"] + (["xd"] if tp_size > 1 else [])
         return [f"kda.{n}" for n in s]
 
     def _ffn_names(self, p: str) -> list[str]:
@@ -78,6 +79,10 @@ class KdaLaunch(KdaLayerLaunch):
         split = -(-(-(-self.H // ROUTER_PARTS)) // RCK) * RCK
         self.r_split = split
         self.nrpart = -(-self.H // split)
+        # gate|up K slices of the shared expert and of one row's expert slots (KE x I_E / BLOCK_N tiles: the
+        # count of a single row, so every width gets the same split and the same bits)
+        self.ks_gu = self.k_split_for(self.I, self.H, 2 * self.W_g.element_size())
+        self.ks_e = self.k_split_for(self.KE * self.I_E, self.H, 2 * self.w_gu.element_size())
 
     def _ffn_graph(self, g, wb: int) -> None:
         H, tp, BN, W = self.H, self.tp_size, self.block_n, self.width
@@ -91,22 +96,33 @@ class KdaLaunch(KdaLayerLaunch):
                       nbytes=min(BLOCK_E, self.E - e0) * (k1 - k0) * 4)
                 slot += 1
         self.n_box["rl"] = slot
-        self._gemv_stage(g, "gu", self.I, 2 * H * wb, ("a",), ("h",), "h")
+        self._gemv_stage(g, "gu", self.I, 2 * H * wb, ("a",), ("hg",), "hg", k_split=self.ks_gu)
         g.stage("experts")
         tiles = -(-self.I_E // BN)
         slot = 0
-        for r in range(W):
-            for j in range(self.KE):
-                for t in range(tiles):
-                    g.add("expert", (r, j, t, slot), reads=("rl",), writes=("xe",), nbytes=2 * BN * H * wbe)
-                    slot += 1
+        for ks in range(self.ks_e):
+            for r in range(W):
+                for j in range(self.KE):
+                    for t in range(tiles):
+                        g.add("expert", (r, j, t, ks, slot), reads=("rl",), writes=("xe",),
+                              nbytes=2 * BN * H * wbe // self.ks_e)
+                        slot += 1
         self.n_box["xe"] = slot
+        prod = self._act_tasks(g, 0)                    # the shared expert's h: off the critical path here
+        g.stage("act")
+        n = self.KE * self.I_E
+        for r in range(W):
+            for c0 in range(0, n, ACT_COLS):
+                g.add("act", (1, r, c0, min(c0 + ACT_COLS, n), prod), reads=("xe",), writes=("h",),
+                      nbytes=2 * min(ACT_COLS, n - c0) * 4 * self.ks_e)
+                prod += 1
+        self.n_box["h"] = prod
         g.stage("down")
         row_bytes = W * (self.KE * self.I_E * wbe + self.I * wb)
         if tp == 1:
-            self._gemv_stage(g, "moe_down", H, row_bytes, ("h", "xe"), (), None)
+            self._gemv_stage(g, "moe_down", H, row_bytes, ("h",), (), None)
         else:
-            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("h", "xe"), ("xd",), None, ret_ranges=True)
+            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("h",), ("xd",), None, ret_ranges=True)
             self._peers(g, "peer_d", ranges, "xd")
             g.stage("down_sum")
             for (t0, n) in ranges:

@@ -8,8 +8,9 @@ tagged pairs across TP ranks; every wait is a named site `<kind>.<region>`):
               embed: the task first gathers its columns of the embedding rows into 4 streams (x0).
   1 gate_in   [waits hp1] column tiles of the attention gate row a_in (bf16): each task joins the
               slots and runs the Sinkhorn itself; tile 0 also stores the coefficients (coef1).
-  2 inproj    [waits a_in] GEMV tiles of the fused q|k|v|b|f_a|g_a rows -> yin (fp32); the first
-              weight chunk of a tile is loaded before the wait.
+  2 inproj    [waits a_in] GEMV tiles of the fused q|k|v|b|f_a|g_a rows, split-K into KS_IN slices
+              (schedule.py choose_k_split) -> yin planes [KS_IN, width, N_IN] fp32; the tiles' first lines
+              move toward L2 before the wait; the KDA tasks join the planes in plane order.
   3 kda       [waits yin] (row, head, value block) tasks: conv + gate + delta rule into the SECOND
               state / window buffers; f and the output gate formed in-task from f_a / g_a. One block
               per head (BV = DV): the gated norm too -> o (bf16). Otherwise raw blocks -> oraw.
@@ -47,14 +48,13 @@ import triton.language as tl
 from sync.device import launch_begin, launch_end, trace_clock, trace_store
 
 from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO, M_XMID, act_at,
-                  down_task, expert_task, f32_at, gate_task, gemv_tile, gu_task, hc_pre_task, l2_prefetch_rows,
-                  meta_layout, moe_down_task, oproj_task, peer_task, post1_task, post2_task, router_task, signal,
-                  task_entry, waitb)
+                  f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows, meta_layout, oproj_task, peer_task,
+                  post1_task, signal, task_entry, waitb)
+from .ffn_tasks import FFN_BASE, FFN_FAMILIES, ffn_task
 from .mixer_kda import kda_block, kda_norm_task, kda_prefetch
 
 FAMILIES = {"part": 0, "gate1": 1, "inproj": 2, "kda": 3, "kda_norm": 4, "oproj": 5, "post1": 6, "gate2": 7,
-            "gu": 8, "down": 9, "post2": 10, "peer_o": 11, "peer_d": 12, "router": 13, "expert": 14,
-            "moe_down": 15}
+            "peer_o": 11, "peer_d": 12, **FFN_FAMILIES}
 BOXES = COMMON_BOXES + ("yin", "oraw")      # box b: meta words BOX_BASE + 4b .. = offset, words, producers, site
 ROWS_REGIONS = COMMON_ROWS + ("x0", "yin_rows", "oraw_rows", "ssq")
 META, META_WORDS = meta_layout(BOXES, ROWS_REGIONS)
@@ -73,17 +73,21 @@ def _streams(X, scratch, meta, EMBED: tl.constexpr):
 
 
 @triton.jit(noinline=True)
-def _inproj_task(W_in, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, H: tl.constexpr,
-                 N_IN: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr):
-    """inproj tiles a0 .. a0 + a1 - 1 after the a_in wait -> yin, producer a2. -> (ok, rdy)."""
-    l2_prefetch_rows(W_in, a0 * BLOCK_N, N_IN, H, BLOCK_N)             # weights before the wait
+def _inproj_task(W_in, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site,
+                 H: tl.constexpr, N_IN: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr,
+                 KS: tl.constexpr):
+    """inproj tiles a0 .. a0 + a1 - 1, K slice a3 of KS, after the a_in wait -> yin plane a3, producer a2.
+    -> (ok, rdy)."""
+    KL: tl.constexpr = H // KS
+    k0 = a3 * KL
+    l2_prefetch_rows(W_in + k0, a0 * BLOCK_N, N_IN, H, BLOCK_N)        # weights before the wait
     ok, rdy = waitb(scratch, meta, B_AIN, rdy, pid, tag, hdr, timeout_ns)
+    y = f32_at(scratch, meta, M_YIN) + a3 * width * N_IN
     j = 0
     while (j < a1) & (ok != 0):
-        gemv_tile(W_in, W_in, act_at(scratch, meta, M_AIN, ACT_F32), H, (a0 + j) * BLOCK_N, rows, 1, 0, 1,
-                  f32_at(scratch, meta, M_YIN), N_IN, W_in, 0, 0, fault_site, N_IN, H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K,
-                  NUM_STAGES, False)
+        gemv_tile(W_in, W_in, act_at(scratch, meta, M_AIN, ACT_F32), H, (a0 + j) * BLOCK_N, k0, k0 + KL, rows, 1, 0, 1,
+                  y, N_IN, W_in, 0, 0, fault_site, N_IN, H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, False)
         j += 1
     if ok != 0:
         signal(scratch, meta, B_YIN, a2, tag, fault_site)
@@ -91,10 +95,10 @@ def _inproj_task(W_in, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr, time
 
 
 @triton.jit(noinline=True)
-def _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w, scratch, meta, rows, a0, a1,
-              a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, lower_bound, D: tl.constexpr, NH: tl.constexpr,
-              R: tl.constexpr, N_IN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-              KC: tl.constexpr, CK: tl.constexpr, ACT_F32: tl.constexpr):
+def _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w, scratch, meta, rows, width,
+              a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, lower_bound, D: tl.constexpr,
+              NH: tl.constexpr, R: tl.constexpr, N_IN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              BV: tl.constexpr, KC: tl.constexpr, CK: tl.constexpr, ACT_F32: tl.constexpr, KS: tl.constexpr):
     """kda: row a0, head a1, value block a2, producer a3 (of o when BV == DV, else of oraw). -> (ok, rdy)."""
     NB: tl.constexpr = DV // BV
     ok = 1
@@ -106,7 +110,8 @@ def _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, on
             S_blk = kda_prefetch(S_in, a0, a1, a2 * BV, NH, DK, DV, BV)
             kda_block(S_blk, a0, a1, a2 * BV, f32_at(scratch, meta, M_YIN), S_out, win_in, win_out, conv_w, A_log,
                       dt_bias, f_b, g_b, onorm_w, act_at(scratch, meta, M_ON, ACT_F32), f32_at(scratch, meta, M_ORAW),
-                      f32_at(scratch, meta, M_SSQ), eps, lower_bound, D, NH, R, N_IN, DK, DV, BV, KC, CK)
+                      f32_at(scratch, meta, M_SSQ), eps, lower_bound, width * N_IN, D, NH, R, N_IN, DK, DV, BV, KC,
+                      CK, KS)
     if ok != 0:
         if NB == 1:
             signal(scratch, meta, B_O, a3, tag, fault_site)
@@ -116,16 +121,16 @@ def _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, on
 
 
 @triton.jit(noinline=True)
-def _kda_norm_task(g_b, onorm_w, scratch, meta, rows, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, eps,
-                   D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr, N_IN: tl.constexpr, DV: tl.constexpr,
-                   BV: tl.constexpr, CK: tl.constexpr, ACT_F32: tl.constexpr):
+def _kda_norm_task(g_b, onorm_w, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns,
+                   fault_site, eps, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr, N_IN: tl.constexpr,
+                   DV: tl.constexpr, BV: tl.constexpr, CK: tl.constexpr, ACT_F32: tl.constexpr, KS: tl.constexpr):
     """kda_norm: row a0, head a1, block a2 after the oraw wait, producer a3 of o. -> (ok, rdy)."""
     ok, rdy = waitb(scratch, meta, B_ORAW, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         if a0 < rows:
             kda_norm_task(a0, a1, a2 * BV, f32_at(scratch, meta, M_YIN), g_b, onorm_w,
                           act_at(scratch, meta, M_ON, ACT_F32), f32_at(scratch, meta, M_ORAW),
-                          f32_at(scratch, meta, M_SSQ), eps, D, NH, R, N_IN, DV, BV, CK)
+                          f32_at(scratch, meta, M_SSQ), eps, width * N_IN, D, NH, R, N_IN, DV, BV, CK, KS)
         signal(scratch, meta, B_O, a3, tag, fault_site)
     return ok, rdy
 
@@ -144,7 +149,8 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                      NUM_STAGES: tl.constexpr, BLOCK_C: tl.constexpr, GATE_BH: tl.constexpr, ITERS: tl.constexpr,
                      ROWS_PAD: tl.constexpr, EMBED: tl.constexpr, ACT_F32: tl.constexpr, MOE: tl.constexpr,
                      E: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                     RENORM: tl.constexpr, BLOCK_E: tl.constexpr, RCK: tl.constexpr, TRACE: tl.constexpr):
+                     RENORM: tl.constexpr, BLOCK_E: tl.constexpr, RCK: tl.constexpr, TRACE: tl.constexpr,
+                     KS_IN: tl.constexpr, KS_GU: tl.constexpr, KS_E: tl.constexpr):
     pid = tl.program_id(0)
     # Region pointers are formed inside each family from the meta words (cheap cached loads), never
     # hoisted here: ~25 pointers live across the task loop cost ~50 registers in every family.
@@ -168,15 +174,16 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                                     rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, False, H, ROWS_PAD, ITERS,
                                     GATE_BH, ACT_F32)
             elif fam == 2:                                 # inproj: tiles a0 .. a0 + a1 - 1, producer a2
-                ok, rdy = _inproj_task(W_in, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns,
-                                       fault_site, H, N_IN, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32)
+                ok, rdy = _inproj_task(W_in, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr,
+                                       timeout_ns, fault_site, H, N_IN, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES,
+                                       ACT_F32, KS_IN)
             elif fam == 3:                                 # kda: row a0, head a1, block a2, producer a3
                 ok, rdy = _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w, scratch,
-                                    meta, rows, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, eps,
-                                    lower_bound, D, NH, R, N_IN, DK, DV, BV, KC, CK, ACT_F32)
+                                    meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, eps,
+                                    lower_bound, D, NH, R, N_IN, DK, DV, BV, KC, CK, ACT_F32, KS_IN)
             elif fam == 4:                                 # kda_norm: row a0, head a1, block a2, producer a3
-                ok, rdy = _kda_norm_task(g_b, onorm_w, scratch, meta, rows, a0, a1, a2, a3, rdy, pid, tag, hdr,
-                                         timeout_ns, fault_site, eps, D, NH, R, N_IN, DV, BV, CK, ACT_F32)
+                ok, rdy = _kda_norm_task(g_b, onorm_w, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr,
+                                         timeout_ns, fault_site, eps, D, NH, R, N_IN, DV, BV, CK, ACT_F32, KS_IN)
             elif fam == 5:                                 # oproj: tiles a0 .. a0 + a1 - 1, producer a2
                 ok, rdy = oproj_task(W_o, W_o, _streams(X, scratch, meta, EMBED), fn2, xo, scratch, meta, rows, width,
                                      tp_rank, tp_size, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, H, D,
@@ -189,36 +196,18 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                 ok, rdy = gate_task(f32_at(scratch, meta, M_XMID), base2, scale2, ln2, scratch, meta, rows, a0, a1,
                                     rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, True, H, ROWS_PAD, ITERS,
                                     GATE_BH, ACT_F32)
-            elif fam == 8:                                 # gu: gate|up tiles a0 .., producer a2
-                ok, rdy = gu_task(W_g, S_g, W_u, S_u, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns,
-                                  fault_site, swiglu_limit, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32)
-            elif fam == 9:                                 # down: tiles a0 .. a0 + a1 - 1
-                ok, rdy = down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, rdy,
-                                    pid, tag, hdr, timeout_ns, fault_site, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K,
-                                    NUM_STAGES, ACT_F32)
-            elif fam == 10:                                # post2: rank sum of tiles a0 .., hc_post
-                ok = post2_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, pid, tag, hdr,
-                                timeout_ns, fault_site, H, ROWS_PAD, BLOCK_N, False, 0)
             elif fam == 11:                                # peer_o (loopback): rank a0's tiles a1 .. a1 + a2 - 1
                 peer_task(xo, peer_o, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, tag, fault_site,
                           M_SITE_XO, H, ROWS_PAD, BLOCK_N)
             elif fam == 12:                                # peer_d (loopback)
                 peer_task(xd, peer_d, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, tag, fault_site,
                           M_SITE_XD, H, ROWS_PAD, BLOCK_N)
-            elif fam == 13:                                # router: experts [a0, +BLOCK_E), k in [a1, a2),
-                if MOE:                                    # producer a3, K part a4
-                    ok, rdy = router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr,
-                                          timeout_ns, fault_site, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES, ACT_F32)
-            elif fam == 14:                                # expert slot: row a0, rank a1, tile a2, producer a3
-                if MOE:
-                    ok, rdy = expert_task(bias_r, w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag,
-                                          hdr, timeout_ns, fault_site, swiglu_limit, scaling, E, KE, I_E, H, E_PAD,
-                                          K_PAD, RENORM, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32)
-            elif fam == 15:                                # moe_down: tiles a0 .. a0 + a1 - 1, row by row
-                if MOE:
-                    ok, rdy = moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, tp_rank,
-                                            tp_size, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, E, H, I,
-                                            I_E, KE, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32, False, 0)
+            elif fam >= FFN_BASE:                          # the FFN families (launches/ffn_tasks.py)
+                ok, rdy = ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_site, scratch,
+                                   meta, rows, width, tp_rank, tp_size, X_out, xd, W_g, S_g, W_u, S_u, W_d, S_d, W_r,
+                                   bias_r, w_gu, s_gu, w_de, s_de, swiglu_limit, scaling, H, I, E, KE, I_E, E_PAD,
+                                   K_PAD, RENORM, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, BLOCK_E, RCK, ACT_F32,
+                                   MOE, False, 0, KS_GU, KS_E)
             if TRACE:
                 trace_store(trace, i, t_task, i)
         i += 1

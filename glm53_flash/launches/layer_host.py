@@ -24,7 +24,7 @@ import triton
 from layout import Planner
 
 from .. import tp as tp_mod
-from ..schedule import TaskGraph
+from ..schedule import TaskGraph, choose_k_split
 from ..weights import PREFIX, weight_specs
 from .base import Launch, check_rank_width, run_interleaved
 from .ffn import BOX_BASE_H as BOX_BASE
@@ -94,7 +94,7 @@ class KdaLayerLaunch(Launch):
 
     def __init__(self, cfg, source, layer: int, *, tp_rank: int = 0, tp_size: int = 1, width: int = 1, device=None,
                  grid: int | None = None, scales: Mapping | None = None, block_v: int | None = None,
-                 timeout_s: float = 1.0, xchg=None, block_n: int = 64, block_k: int = 128, num_stages: int = 3,
+                 timeout_s: float = 1.0, xchg=None, block_n: int = 64, block_k: int = 128, num_stages: int = 5,
                  num_warps: int = 4, act_dtype: str = "bfloat16", maxnreg: int | None = -1, **tag_kw):
         super().__init__(grid=grid, device=device, timeout_s=timeout_s, **tag_kw)
         self.maxnreg = DEFAULT_MAXNREG if maxnreg == -1 else maxnreg
@@ -118,6 +118,7 @@ class KdaLayerLaunch(Launch):
         self.KC = cfg.linear_conv_kernel_dim
         self.N_IN = 3 * self.D + self.NH + 2 * self.R
         self.BV = block_v or default_block_v(d)
+        self.ks_in = self.k_split_for(self.N_IN, H, 2)        # inproj K slices (shape only: same bits on any grid)
         if d % self.BV or self.BV & (self.BV - 1) or self.BV < 16:
             raise ValueError(f"{k}: block_v={self.BV} must be a power of two >= 16 dividing {d}")
         self._load_weights(source, scales)
@@ -201,12 +202,13 @@ class KdaLayerLaunch(Launch):
         self.I = self.W_g.shape[0]
         self.fp8 = self.W_g.dtype == torch.float8_e4m3fn or self.W_d.dtype == torch.float8_e4m3fn
         self._no_moe()
+        self.ks_gu = self.k_split_for(self.I, self.H, 2 * self.W_g.element_size())     # gate and up: 2 tiles
         if self.fp8 and 128 % self.block_n:
             raise ValueError(f"{self.kind}: FP8 needs block_n dividing 128, got {self.block_n}")
 
     def _no_moe(self) -> None:
         """Dense FFN: the MoE arguments are placeholders the kernel never reads (MOE=False)."""
-        self.moe, self.E, self.KE, self.I_E, self.nrpart = False, 1, 1, 1, 1
+        self.moe, self.E, self.KE, self.I_E, self.nrpart, self.ks_e = False, 1, 1, 1, 1, 1
         self.W_r = self.bias_r = self.fn1
         self.w_gu = self.s_gu = self.w_de = self.s_de = self.W_g
 
@@ -215,7 +217,7 @@ class KdaLayerLaunch(Launch):
     def site_names(cls, tp_size: int = 1, block_v_split: bool = False) -> list[str]:
         k = cls.kind
         s = ["hp1", "a_in", "yin"] + (["oraw"] if block_v_split else []) + ["o"]
-        s += (["xo"] if tp_size > 1 else []) + ["hp2", "a", "h"] + (["xd"] if tp_size > 1 else [])
+        s += (["xo"] if tp_size > 1 else []) + ["hp2", "a", "hg", "h"] + (["xd"] if tp_size > 1 else [])
         return [f"{k}.{n}" for n in s]
 
     def build_graph(self) -> TaskGraph:
@@ -227,7 +229,7 @@ class KdaLayerLaunch(Launch):
             raise ValueError(f"{self.kind}: hidden size {H} must be a multiple of block_n={self.block_n}")
         self._graph_pre(g)
         g.stage("inproj")
-        self._gemv_stage(g, "inproj", self.N_IN, self.H * 2, ("a_in",), ("yin",), "yin")
+        self._gemv_stage(g, "inproj", self.N_IN, self.H * 2, ("a_in",), ("yin",), "yin", k_split=self.ks_in)
         g.stage("kda")
         slot = 0
         for r in range(W):
@@ -296,7 +298,9 @@ class KdaLayerLaunch(Launch):
     def _ffn_graph(self, g: TaskGraph, wb: int) -> None:
         H, tp, BN, W = self.H, self.tp_size, self.block_n, self.width
         g.stage("gate_up")
-        self._gemv_stage(g, "gu", self.I, 2 * H * wb, ("a",), ("h",), "h")
+        self._gemv_stage(g, "gu", self.I, 2 * H * wb, ("a",), ("hg",), "hg", k_split=self.ks_gu)
+        g.stage("act")
+        self.n_box["h"] = self._act_tasks(g, 0)
         g.stage("down")
         if tp == 1:
             self._gemv_stage(g, "down", H, self.I * wb, ("h",), (), None)
@@ -307,15 +311,35 @@ class KdaLayerLaunch(Launch):
             for (t0, n) in ranges:
                 g.add("post2", (t0, n), reads=("xd",), nbytes=tp * W * n * BN * 8)
 
-    def _gemv_stage(self, g, fam, N, row_bytes, reads, writes, box, ret_ranges=False):
+    def _gemv_stage(self, g, fam, N, row_bytes, reads, writes, box, ret_ranges=False, k_split=1):
+        """Tasks (t0, n tiles, producer, K slice) of a weight-streaming GEMV stage: tile ranges over the grid,
+        times k_split K slices (each writes its own partial plane; the consumer joins them in order)."""
         tiles = -(-N // self.block_n)
-        ranges = _ranges(tiles, min(self.grid, tiles))
-        for s, (t0, n) in enumerate(ranges):
-            rows_n = min((t0 + n) * self.block_n, N) - t0 * self.block_n
-            g.add(fam, (t0, n, s), reads=reads, writes=writes, nbytes=rows_n * row_bytes)
+        ranges = _ranges(tiles, min(-(-self.grid // k_split), tiles))
+        s = 0
+        for ks in range(k_split):
+            for (t0, n) in ranges:
+                rows_n = min((t0 + n) * self.block_n, N) - t0 * self.block_n
+                g.add(fam, (t0, n, s, ks), reads=reads, writes=writes, nbytes=rows_n * row_bytes // k_split)
+                s += 1
         if box is not None:
-            self.n_box[box] = len(ranges)
-        return ranges if ret_ranges else len(ranges)
+            self.n_box[box] = s
+        return ranges if ret_ranges else s
+
+    def _act_tasks(self, g, producer: int) -> int:
+        """act kind 0 (ffn_tasks.py): the dense / shared h columns in BLOCK_N-wide tasks, producers from
+        `producer` on; -> the next producer index."""
+        BN = self.block_n
+        for c0 in range(0, self.I, BN):
+            g.add("act", (0, 0, c0, min(c0 + BN, self.I), producer), reads=("hg",), writes=("h",),
+                  nbytes=self.width * 2 * min(BN, self.I - c0) * 4 * self.ks_gu)
+            producer += 1
+        return producer
+
+    def k_split_for(self, N: int, K: int, wbytes: int) -> int:
+        """schedule.py choose_k_split for an N x K weight of wbytes per element in this launch's tiles."""
+        step = self.block_n * min(self.block_k, 128) * wbytes
+        return choose_k_split(-(-N // self.block_n), K // min(self.block_k, 128), step)
 
     def _peers(self, g, fam, ranges, region) -> None:
         if not self.loopback:
@@ -332,7 +356,7 @@ class KdaLayerLaunch(Launch):
         pl.rows("x0", (W, 4, H), f32)
         pl.rows("a_in_rows", (W, H), bf)
         pl.rows("a_rows", (W, H), bf)
-        pl.rows("yin_rows", (W, self.N_IN), f32)
+        pl.rows("yin_rows", (self.ks_in, W, self.N_IN), f32)
         pl.rows("oraw_rows", (W, D), f32)
         pl.rows("ssq", (W, self.NH, NB), f32)
         pl.rows("o_rows", (W, D), bf)
@@ -356,6 +380,8 @@ class KdaLayerLaunch(Launch):
         pl.rows("ids_rec", (W, self.KE), "int32")
         pl.rows("rw_rec", (W, self.KE), f32)
         pl.rows("act_e", (W, self.KE, self.I_E), bf)
+        pl.rows("hpart", (self.ks_gu, W, 2, self.I), f32)                       # gate|up K-slice planes
+        pl.rows("epart", (self.ks_e, W, self.KE, 2, self.I_E), f32)
 
     def _plan_boxes(self, pl: Planner) -> None:
         for b in self.META_LAYOUT[0]:
@@ -401,7 +427,8 @@ class KdaLayerLaunch(Launch):
                      ITERS=cfg.hc_sinkhorn_iters, ROWS_PAD=ROWS_PAD, EMBED=self.embed,
                      ACT_F32=self.act_dtype == "float32", MOE=self.moe, E=self.E, KE=self.KE, I_E=self.I_E,
                      E_PAD=triton.next_power_of_2(self.E), K_PAD=triton.next_power_of_2(self.KE),
-                     RENORM=bool(cfg.norm_topk_prob), BLOCK_E=16, RCK=32)
+                     RENORM=bool(cfg.norm_topk_prob), BLOCK_E=16, RCK=32, KS_IN=self.ks_in, KS_GU=self.ks_gu,
+                     KS_E=self.ks_e)
         if self.maxnreg:
             const["maxnreg"] = self.maxnreg       # a compile option (ptxas), not a kernel argument
         return args, const

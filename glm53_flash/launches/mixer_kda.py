@@ -66,21 +66,22 @@ def gate_rows(X, part, n_parts, base, scale, ln_w, coef, a, rows, c0, write_coef
 
 @triton.jit
 def kda_block(S_blk, r, h, v0, yin, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w, on,
-              o_raw, ssq, eps, lower_bound, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr, N_IN: tl.constexpr,
-              DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, CK: tl.constexpr):
+              o_raw, ssq, eps, lower_bound, PS, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr,
+              N_IN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
+              CK: tl.constexpr, KS: tl.constexpr):
     """One (row, head, value block) of the KDA step, after the inproj wait. S_blk: the prefetched old
-    state rows. yin row r = q | k | v | b | f_a | g_a (fp32). NB = DV // BV == 1: the gated norm runs
-    here (on, the o_proj input); otherwise the raw block and its sum of squares go to o_raw / ssq for
-    the kda_norm stage."""
+    state rows. yin row r = q | k | v | b | f_a | g_a (fp32), the sum of KS split-K planes PS elements
+    apart (joined here, in plane order). NB = DV // BV == 1: the gated norm runs here (on, the o_proj
+    input); otherwise the raw block and its sum of squares go to o_raw / ssq for the kda_norm stage."""
     NB: tl.constexpr = DV // BV
     yr = yin + r * N_IN
     wr = r * (KC - 1) * 3 * D
-    fv = kda_lowrank(f_b, yr + 3 * D + NH, h * DK, R, DK, CK)
+    fv = kda_lowrank(f_b, yr + 3 * D + NH, h * DK, R, DK, CK, PS, KS)
     S_new = S_out + r.to(tl.int64) * NH * DV * DK
     o_blk, ss = kda_head_finish(S_blk, yr, yr + 3 * D, fv, win_in + wr, win_out + wr, conv_w, A_log, dt_bias, S_new,
-                                h, v0, D, lower_bound, DK, DV, BV, KC)
+                                h, v0, D, lower_bound, DK, DV, BV, KC, PS, KS)
     if NB == 1:
-        gv = kda_lowrank(g_b, yr + 3 * D + NH + R, h * DV + v0, R, BV, CK)
+        gv = kda_lowrank(g_b, yr + 3 * D + NH + R, h * DV + v0, R, BV, CK, PS, KS)
         kda_norm_apply(o_blk, ss, gv, onorm_w, on + r * D, on + r * D, h, v0, eps, DV, BV, False)
     else:
         kda_store_o(o_raw + r * D, ssq + r * NH * NB, o_blk, ss, h, v0, NB, DV, BV)
@@ -92,11 +93,12 @@ def kda_prefetch(S_in, r, h, v0, NH: tl.constexpr, DK: tl.constexpr, DV: tl.cons
 
 
 @triton.jit
-def kda_norm_task(r, h, v0, yin, g_b, onorm_w, on, o_raw, ssq, eps, D: tl.constexpr, NH: tl.constexpr,
-                  R: tl.constexpr, N_IN: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CK: tl.constexpr):
+def kda_norm_task(r, h, v0, yin, g_b, onorm_w, on, o_raw, ssq, eps, PS, D: tl.constexpr, NH: tl.constexpr,
+                  R: tl.constexpr, N_IN: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CK: tl.constexpr,
+                  KS: tl.constexpr):
     """Join of a head's block partial sums (block order) and the gated norm of block v0 of row r."""
     NB: tl.constexpr = DV // BV
-    gv = kda_lowrank(g_b, yin + r * N_IN + 3 * D + NH + R, h * DV + v0, R, BV, CK)
+    gv = kda_lowrank(g_b, yin + r * N_IN + 3 * D + NH + R, h * DV + v0, R, BV, CK, PS, KS)
     kda_norm_block(o_raw + r * D, ssq + r * NH * NB, gv, onorm_w, on + r * D, on + r * D, h, v0, eps, NB, DV, BV,
                    False)
 

@@ -30,15 +30,14 @@ from sync.device import launch_begin, launch_end, trace_clock, trace_store
 from ..kernels.indexer import idx_score_pools, topk_hist_pass, topk_write
 from ..kernels.mla import mla_absorb_finish, mla_absorb_prefetch, mla_attend_2pass, mla_join_out, mla_out_prefetch
 from .ffn import (B_A, B_AIN, B_HP2, B_O, COMMON_BOXES, COMMON_ROWS, M_A, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO,
-                  M_XMID, act_at, expert_task, f32_at, gate_task, gu_task, hc_pre_task, i32_at, l2_prefetch_rows,
-                  meta_layout, moe_down_task, oproj_task, peer_task, post1_task, post2_task, router_task, signal,
-                  task_entry, waitb)
+                  M_XMID, act_at, f32_at, gate_task, hc_pre_task, i32_at, l2_prefetch_rows, meta_layout, oproj_task,
+                  peer_task, post1_task, signal, task_entry, waitb)
+from .ffn_tasks import FFN_BASE, FFN_FAMILIES, ffn_task
 from .mixer_dsa import dsa_norm_row, gemv_tiles, rms_row
 
 FAMILIES = {"part": 0, "gate1": 1, "mat_a": 2, "dsa_norm": 3, "mat_q": 4, "absorb": 5, "score": 6, "hist": 7,
-            "select": 8, "attend": 9, "join": 10, "oproj": 11, "post1": 12, "gate2": 13, "gu": 14, "router": 15,
-            "expert": 16, "moe_down": 17, "post2": 18, "peer_o": 19, "peer_d": 20, "eh_in": 21, "eh": 22,
-            "ln_row": 23}
+            "select": 8, "attend": 9, "join": 10, "oproj": 11, "post1": 12, "gate2": 13, "peer_o": 19, "peer_d": 20,
+            "eh_in": 21, "eh": 22, "ln_row": 23, **FFN_FAMILIES}
 BOXES = COMMON_BOXES + ("ya", "qr", "q", "ql", "hs0", "hs1", "hs2", "hs3", "idx", "att", "ein", "x", "z")
 ROWS_REGIONS = COMMON_ROWS + ("ya", "qr_rows", "yq", "qlat", "scores", "hist", "idx_rows", "pm", "pl", "pacc", "sbuf",
                               "ctx", "ein_rows", "x0")
@@ -80,7 +79,8 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         BLOCK_P: tl.constexpr, T_MAX: tl.constexpr, BITS: tl.constexpr, SEL_BLOCK: tl.constexpr,
                         NORM_BLOCK: tl.constexpr, E: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr,
                         E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                        RCK: tl.constexpr, NEXTN: tl.constexpr, TRACE: tl.constexpr):
+                        RCK: tl.constexpr, NEXTN: tl.constexpr, TRACE: tl.constexpr, KS_GU: tl.constexpr,
+                        KS_E: tl.constexpr):
     pid = tl.program_id(0)
     DO: tl.constexpr = NH * DV
     PASSES: tl.constexpr = (32 + BITS - 1) // BITS
@@ -241,29 +241,18 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                 ok, rdy = gate_task(f32_at(scratch, meta, M_XMID), base2, scale2, ln2, scratch, meta, rows, a0, a1,
                                     rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, True, H, ROWS_PAD, ITERS,
                                     GATE_BH, ACT_F32)
-            elif fam == 14:                                # gu (shared expert): gate|up tiles a0 .., producer a2
-                ok, rdy = gu_task(W_g, S_g, W_u, S_u, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns,
-                                  fault_site, swiglu_limit, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32)
-            elif fam == 15:                                # router: experts [a0, +BLOCK_E), k in [a1, a2), producer a3
-                ok, rdy = router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr,
-                                      timeout_ns, fault_site, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES, ACT_F32)
-            elif fam == 16:                                # expert slot: row a0, rank a1, tile a2, producer a3
-                ok, rdy = expert_task(bias_r, w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag,
-                                      hdr, timeout_ns, fault_site, swiglu_limit, scaling, E, KE, I_E, H, E_PAD, K_PAD,
-                                      RENORM, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32)
-            elif fam == 17:                                # moe_down: tiles a0 .. a0 + a1 - 1, row by row
-                ok, rdy = moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size,
-                                        a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, E, H, I, I_E, KE,
-                                        ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32, NEXTN, B_Z)
-            elif fam == 18:                                # post2: rank sum of tiles a0 .., hc_post
-                ok = post2_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, pid, tag, hdr,
-                                timeout_ns, fault_site, H, ROWS_PAD, BLOCK_N, NEXTN, B_Z)
             elif fam == 19:                                # peer_o (loopback): rank a0's tiles a1 .. a1 + a2 - 1
                 peer_task(xo, peer_o, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, tag, fault_site,
                           M_SITE_XO, H, ROWS_PAD, BLOCK_N)
             elif fam == 20:                                # peer_d (loopback)
                 peer_task(xd, peer_d, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, tag, fault_site,
                           M_SITE_XD, H, ROWS_PAD, BLOCK_N)
+            elif fam >= FFN_BASE:                          # the FFN families (launches/ffn_tasks.py)
+                ok, rdy = ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_site, scratch,
+                                   meta, rows, width, tp_rank, tp_size, X_out, xd, W_g, S_g, W_u, S_u, W_d, S_d, W_r,
+                                   bias_r, w_gu, s_gu, w_de, s_de, swiglu_limit, scaling, H, I, E, KE, I_E, E_PAD,
+                                   K_PAD, RENORM, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, BLOCK_E, RCK, ACT_F32,
+                                   True, NEXTN, B_Z, KS_GU, KS_E)
             elif fam == 21:                                # eh_in (NextN): row a0, producer a1
                 if NEXTN:
                     if a0 < rows:

@@ -1,0 +1,309 @@
+"""Device side of the FFN half of a layer launch (dense MLP or MoE), shared by both layer kernels
+(launches/kda_layer.py, launches/sparse_layer.py): the task families and `ffn_task`, the one
+dispatcher both kernels call for every FFN family (codes FFN_FAMILIES, the same in both kernels), so
+adding or changing an FFN family edits this file and the host graph only.
+
+Stages (host side: layer_host.py _ffn_graph for dense, kda.py _ffn_graph for the MoE):
+  gate_up   dense / shared-expert gate|up tiles, split-K (KS_GU slices, schedule.py choose_k_split):
+            raw fp32 gate and up partial planes -> hpart [KS_GU, width, 2, I]               box hg
+  router    (MoE) logit partials over ROUTER_PARTS K ranges -> part_r                        box rl
+  expert    (MoE) slot (row, rank j, tile, K slice of KS_E): joins the row's router partials and
+            selects itself, streams its K slice of the chosen expert's gate|up tile
+            -> epart [KS_E, width, KE, 2, I_E]                                               box xe
+  act       joins the planes in plane order, clamped SwiGLU, bf16: kind 0 the dense / shared h
+            columns (waits hg), kind 1 a row's expert activations act_e (waits xe)           box h
+  down      dense down tiles, or moe_down (routed experts in rank order, then the shared one),
+            after h; TP 1: y2 + hc_post -> X_out; TP > 1: xd pairs, then
+  post2     (TP > 1) rank-order sum of xd -> y2, hc_post (NEXTN: X_out = xmid + y2, box z).
+Why split-K with a join stage: a gate|up tile is a 2 x 64-row x 4096 GEMV (1 MB bf16). Whole-K tasks
+gave a TP8 stage of 24 (dense) or 4 (shared expert) tasks, each a chain of 64 serial K steps: one
+CTA's ~30 GB/s, 35-54 us (in-kernel trace, 2026-12-01). Split K, every CTA streams a slice; SwiGLU is
+not linear, so the slices join before it, in a small act stage (one hop, ~1-2 us).
+"""
+import triton
+import triton.language as tl
+
+from ..kernels.gemv import gemv_store, gemv_stream, plane_sum
+from ..kernels.mlp import swiglu_clamped
+from ..kernels.moe import moe_down_finish, router_finish, router_prefetch, router_select, router_store_partial, \
+    router_store_record
+from .ffn import (B_A, B_H, B_HG, B_RL, B_XE, M_A, M_ACTE, M_COEF2, M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R,
+                  M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles, act_at, add_cols, f32_at, gemv_tile, i32_at,
+                  l2_prefetch_rows, post_cols, signal, waitb)
+from .mixer_kda import xchg_publish
+
+FFN_BASE = tl.constexpr(40)
+FFN_FAMILIES = {"gu": 40, "act": 41, "router": 42, "expert": 43, "down": 44, "moe_down": 45, "post2": 46}
+ACT_COLS = 256              # act columns per task (expert activations) and per vector step
+ACT_BLOCK = tl.constexpr(ACT_COLS)
+
+
+# ---------------------------------------------------------------------------- compute pieces
+@triton.jit(noinline=True)
+def gateup_part_tile(wg, wu, sg, su, x, stride_x, part, rows, i0, k0, k1, I: tl.constexpr, H: tl.constexpr,
+                     ROWS_PAD: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+                     NUM_STAGES: tl.constexpr):
+    """K slice [k0, k1) of a gate|up tile: part[r, 0, i0 + j] = x[r] . wg[i0 + j], part[r, 1, i0 + j] =
+    x[r] . wu[i0 + j] (raw fp32 partial plane [rows, 2, I]; the act stage joins the slices, then SwiGLU).
+    A call: the tile loop around it keeps no hoisted index tensors of the two K loops live."""
+    g = gemv_stream(wg, sg, x, stride_x, rows, i0, k0, k1, I, H, ROWS_PAD, BLOCK_I, BLOCK_K, NUM_STAGES)
+    gemv_store(part, 2 * I, g, rows, i0, I, ROWS_PAD, BLOCK_I)
+    u = gemv_stream(wu, su, x, stride_x, rows, i0, k0, k1, I, H, ROWS_PAD, BLOCK_I, BLOCK_K, NUM_STAGES)
+    gemv_store(part + I, 2 * I, u, rows, i0, I, ROWS_PAD, BLOCK_I)
+
+
+@triton.jit
+def swiglu_join(part, PS, out, c0, c1, limit, IW: tl.constexpr, KS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[c] = swiglu(sum_s g_s, sum_s u_s) for columns c in [c0, c1) of a [groups, IW] activation row
+    (group c // IW, its gate at part[group * 2 * IW + c % IW], its up IW further; KS planes PS apart,
+    joined in plane order)."""
+    c = c0
+    while c < c1:
+        cc = c + tl.arange(0, BLOCK)
+        m = cc < c1
+        base = (cc // IW) * 2 * IW + cc % IW
+        g = plane_sum(part, base, m, PS, KS)
+        u = plane_sum(part, base + IW, m, PS, KS)
+        tl.store(out + cc, swiglu_clamped(g, u, limit).to(out.dtype.element_ty), mask=m)
+        c += BLOCK
+
+
+@triton.jit
+def _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H: tl.constexpr, BLOCK_N: tl.constexpr,
+              NEXTN: tl.constexpr, B_Z: tl.constexpr):
+    """After the FFN's output tiles a0 .. a0 + a1 - 1 (y2) are complete: hc_post of the FFN (xmid, y2 ->
+    X_out); NEXTN: X_out [width, H] = xmid + y2 and signal box B_Z (producer a2)."""
+    tl.debug_barrier()
+    if NEXTN:
+        add_cols(f32_at(scratch, meta, M_XMID), f32_at(scratch, meta, M_Y2), X_out, rows, a0 * BLOCK_N,
+                 tl.minimum((a0 + a1) * BLOCK_N, H), H, BLOCK_N)
+        signal(scratch, meta, B_Z, a2, tag, fault_site)
+    else:
+        post_cols(f32_at(scratch, meta, M_XMID), f32_at(scratch, meta, M_Y2), f32_at(scratch, meta, M_COEF2), X_out,
+                  rows, a0 * BLOCK_N, tl.minimum((a0 + a1) * BLOCK_N, H), H, BLOCK_N)
+
+
+@triton.jit(noinline=True)
+def _expert_pick(part_r, n_parts, width, bias, ids_rec, rw_rec, r, j, i0, ks, scaling, E: tl.constexpr,
+                 K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr):
+    """The row's selection (router_select over the joined partials) -> expert id of rank j (int64); slot
+    (r, 0, 0, 0) also stores the record. A call: the [E_PAD] selection tensors stay out of the GEMVs."""
+    ids, w = router_select(part_r + r * E, width * E, n_parts, bias, E, scaling, K, E_PAD, K_PAD, RENORM)
+    kk = tl.arange(0, K_PAD)
+    if (j == 0) & (i0 == 0) & (ks == 0):
+        router_store_record(ids_rec + r * K, rw_rec + r * K, ids, w, K, K_PAD)
+    e = tl.sum(tl.where(kk == j, ids, 0), axis=0)
+    return tl.minimum(tl.maximum(e, 0), E - 1).to(tl.int64)
+
+
+# ---------------------------------------------------------------------------- task families
+@triton.jit(noinline=True)
+def gu_task(W_g, S_g, W_u, S_u, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns,
+            fault_site, H: tl.constexpr, I: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr, KS: tl.constexpr):
+    """gate|up tiles a0 .. a0 + a1 - 1 (dense MLP or shared expert), K slice a3 of KS, after the a wait ->
+    hpart plane a3, producer a2 of hg. -> (ok, rdy)."""
+    KL: tl.constexpr = H // KS
+    k0 = a3 * KL
+    l2_prefetch_rows(W_g + k0, a0 * BLOCK_N, I, H, BLOCK_N)             # weights before the wait
+    l2_prefetch_rows(W_u + k0, a0 * BLOCK_N, I, H, BLOCK_N)
+    ok, rdy = waitb(scratch, meta, B_A, rdy, pid, tag, hdr, timeout_ns)
+    part = f32_at(scratch, meta, M_HPART) + a3 * width * 2 * I
+    j = 0
+    while (j < a1) & (ok != 0):
+        gateup_part_tile(W_g, W_u, S_g, S_u, act_at(scratch, meta, M_A, ACT_F32), H, part, rows, (a0 + j) * BLOCK_N,
+                         k0, k0 + KL, I, H, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
+        j += 1
+    if ok != 0:
+        signal(scratch, meta, B_HG, a2, tag, fault_site)
+    return ok, rdy
+
+
+@triton.jit(noinline=True)
+def act_task(scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns, fault_site,
+             swiglu_limit, I: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr, ACT_F32: tl.constexpr,
+             KS_GU: tl.constexpr, KS_E: tl.constexpr):
+    """act kind a0 = 0: columns [a2, a3) of every row's h from the hpart planes (waits hg); a0 = 1: row
+    a1's expert activations act_e, flat columns [a2, a3) of its [KE, I_E] (waits xe). Producer a4 of h.
+    -> (ok, rdy)."""
+    if a0 == 0:
+        ok, rdy = waitb(scratch, meta, B_HG, rdy, pid, tag, hdr, timeout_ns)
+        if ok != 0:
+            r = 0
+            while r < rows:
+                swiglu_join(f32_at(scratch, meta, M_HPART) + r * 2 * I, width * 2 * I,
+                            act_at(scratch, meta, M_H, ACT_F32) + r * I, a2, a3, swiglu_limit, I, KS_GU, ACT_BLOCK)
+                r += 1
+    else:
+        ok, rdy = waitb(scratch, meta, B_XE, rdy, pid, tag, hdr, timeout_ns)
+        if (ok != 0) & (a1 < rows):
+            swiglu_join(f32_at(scratch, meta, M_EPART) + a1 * KE * 2 * I_E, width * KE * 2 * I_E,
+                        act_at(scratch, meta, M_ACTE, ACT_F32) + a1 * KE * I_E, a2, a3, swiglu_limit, I_E, KS_E,
+                        ACT_BLOCK)
+    if ok != 0:
+        signal(scratch, meta, B_H, a4, tag, fault_site)
+    return ok, rdy
+
+
+@triton.jit(noinline=True)
+def down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, rdy, pid, tag, hdr,
+              timeout_ns, fault_site, H: tl.constexpr, I: tl.constexpr, ROWS_PAD: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+              ACT_F32: tl.constexpr):
+    """Dense down tiles a0 .. a0 + a1 - 1 after the h wait. TP 1: y2, then hc_post -> X_out. TP > 1: xd.
+    -> (ok, rdy)."""
+    l2_prefetch_rows(W_d, a0 * BLOCK_N, H, I, BLOCK_N)                  # weights before the wait
+    ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
+    j = 0
+    while (j < a1) & (ok != 0):
+        gemv_tile(W_d, S_d, act_at(scratch, meta, M_H, ACT_F32), I, (a0 + j) * BLOCK_N, 0, I, rows, width, tp_rank,
+                  tp_size, f32_at(scratch, meta, M_Y2), H, xd, tag, tl.load(meta + M_SITE_XD), fault_site, H, I,
+                  ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, True)
+        j += 1
+    if (ok != 0) & (tp_size == 1):
+        _post_ffn(X_out, scratch, meta, rows, a0, a1, 0, tag, fault_site, H, BLOCK_N, False, 0)
+    return ok, rdy
+
+
+@triton.jit(noinline=True)
+def post2_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, pid, tag, hdr, timeout_ns,
+               fault_site, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NEXTN: tl.constexpr,
+               B_Z: tl.constexpr):
+    """down_sum (TP > 1): rank-order sum of the xd tiles a0 .. a0 + a1 - 1 -> y2, then _post_ffn. -> ok."""
+    ok = _rank_sum_tiles(xd, f32_at(scratch, meta, M_Y2), a0, a1, rows, width, tp_rank, tp_size, tag, hdr,
+                         tl.load(meta + M_SITE_XD), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
+    if ok != 0:
+        _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN, B_Z)
+    return ok
+
+
+@triton.jit(noinline=True)
+def router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns, fault_site,
+                E: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RCK: tl.constexpr,
+                NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr):
+    """Router logit partial: experts [a0, a0 + BLOCK_E), K range [a1, a2), K part a4, producer a3 of rl.
+    -> (ok, rdy)."""
+    w0 = router_prefetch(W_r, a0, a1, a2, E, H, BLOCK_E, RCK)
+    ok, rdy = waitb(scratch, meta, B_A, rdy, pid, tag, hdr, timeout_ns)
+    if ok != 0:
+        lg = router_finish(w0, W_r, act_at(scratch, meta, M_A, ACT_F32), H, rows, a0, a1, a2, E, H, ROWS_PAD,
+                           BLOCK_E, RCK, NUM_STAGES)
+        router_store_partial(f32_at(scratch, meta, M_PART_R) + a4 * width * E, lg, rows, a0, E, ROWS_PAD, BLOCK_E)
+        signal(scratch, meta, B_RL, a3, tag, fault_site)
+    return ok, rdy
+
+
+@triton.jit(noinline=True)
+def expert_task(bias_r, w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns,
+                fault_site, scaling, E: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr, H: tl.constexpr,
+                E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, ROWS_PAD: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr,
+                KS: tl.constexpr):
+    """Expert slot (row a0, rank a1, tile a2, K slice a3 of KS) after the rl wait, producer a4 of xe: the
+    slot joins the row's logit partials and selects itself (kernels/moe.py router_select: the same code
+    and inputs in every slot of the row, so the same bits), then streams its K slice of the chosen
+    expert's gate|up tile into epart plane a3. Slot (r, 0, 0, 0) also writes the row's record (ids,
+    weights) for the down tasks: no select stage, no extra hop. -> (ok, rdy)."""
+    ok, rdy = waitb(scratch, meta, B_RL, rdy, pid, tag, hdr, timeout_ns)
+    if (ok != 0) & (a0 < rows):
+        i0 = a2 * BLOCK_N
+        e = _expert_pick(f32_at(scratch, meta, M_PART_R), tl.load(meta + M_NRPART), width, bias_r,
+                         i32_at(scratch, meta, M_IDS), f32_at(scratch, meta, M_RW), a0, a1, i0, a3, scaling, E, KE,
+                         E_PAD, K_PAD, RENORM)
+        wg = w_gu + e * 2 * I_E * H
+        wu = wg + I_E * H
+        if w_gu.dtype.element_ty == tl.float8e4nv:
+            nkb: tl.constexpr = (H + 127) // 128
+            sg = s_gu + e * (2 * (I_E // 128) * nkb)
+            su = sg + (I_E // 128) * nkb
+        else:
+            sg = wg
+            su = wu
+        KL: tl.constexpr = H // KS
+        part = f32_at(scratch, meta, M_EPART) + a3 * width * KE * 2 * I_E + (a0 * KE + a1) * 2 * I_E
+        gateup_part_tile(wg, wu, sg, su, act_at(scratch, meta, M_A, ACT_F32) + a0 * H, 0, part, 1, i0, a3 * KL,
+                         a3 * KL + KL, I_E, H, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
+    if ok != 0:
+        signal(scratch, meta, B_XE, a4, tag, fault_site)
+    return ok, rdy
+
+
+@triton.jit(noinline=True)
+def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, width, tp_rank, tp_size, tag, fault_site,
+                  E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, I_E: tl.constexpr, KE: tl.constexpr,
+                  ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr,
+                  NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr):
+    """Row rr's MoE output columns [n0, n0 + BLOCK_N): y2 (TP 1) or this rank's xd slot (TP > 1)."""
+    acc = moe_down_finish(None, W_d, S_d, act_at(scratch, meta, M_H, ACT_F32) + rr * I,
+                          i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
+                          act_at(scratch, meta, M_ACTE, ACT_F32) + rr * KE * I_E, w_de, s_de, n0, E, H, I_E, I,
+                          ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, KE)
+    if tp_size == 1:
+        gemv_store(f32_at(scratch, meta, M_Y2) + rr * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
+    else:
+        xchg_publish(xd + rr * H, acc, n0, 1, width, tp_rank, tp_size, tag, tl.load(meta + M_SITE_XD), fault_site, H,
+                     ROWS_PAD, BLOCK_N)
+
+
+@triton.jit(noinline=True)
+def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, rdy,
+                  pid, tag, hdr, timeout_ns, fault_site, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                  I_E: tl.constexpr, KE: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr,
+                  NEXTN: tl.constexpr, B_Z: tl.constexpr):
+    """MoE down tiles a0 .. a0 + a1 - 1, row by row (routed experts in rank order, then the shared
+    expert), after the h wait (every activation and the record are in). TP 1: y2, then _post_ffn
+    (producer a2). TP > 1: xd. -> (ok, rdy)."""
+    l2_prefetch_rows(W_d, a0 * BLOCK_N, H, I, BLOCK_N)                  # shared expert's weights
+    ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
+    j = 0
+    while (j < a1) & (ok != 0):
+        n0 = (a0 + j) * BLOCK_N
+        rr = 0
+        while rr < rows:
+            _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, width, tp_rank, tp_size, tag, fault_site, E,
+                          H, I, I_E, KE, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32)
+            rr += 1
+        j += 1
+    if (ok != 0) & (tp_size == 1):
+        _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN, B_Z)
+    return ok, rdy
+
+
+# ---------------------------------------------------------------------------- the dispatcher
+@triton.jit
+def ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_site, scratch, meta, rows, width,
+             tp_rank, tp_size, X_out, xd, W_g, S_g, W_u, S_u, W_d, S_d, W_r, bias_r, w_gu, s_gu, w_de, s_de,
+             swiglu_limit, scaling, H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, KE: tl.constexpr,
+             I_E: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr,
+             ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr,
+             NUM_STAGES: tl.constexpr, BLOCK_E: tl.constexpr, RCK: tl.constexpr, ACT_F32: tl.constexpr,
+             MOE: tl.constexpr, NEXTN: tl.constexpr, B_Z: tl.constexpr, KS_GU: tl.constexpr, KS_E: tl.constexpr):
+    """Run FFN task `fam` (FFN_FAMILIES) with its args a0 .. a4. -> (ok, rdy)."""
+    if fam == 40:                                      # gu: tiles a0 .. a0 + a1 - 1, producer a2, K slice a3
+        ok, rdy = gu_task(W_g, S_g, W_u, S_u, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr,
+                          timeout_ns, fault_site, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, ACT_F32, KS_GU)
+    elif fam == 41:                                    # act: kind a0, row a1, columns [a2, a3), producer a4
+        ok, rdy = act_task(scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns, fault_site,
+                           swiglu_limit, I, KE, I_E, ACT_F32, KS_GU, KS_E)
+    elif fam == 42:                                    # router: experts [a0, +BLOCK_E), k in [a1, a2), producer a3
+        if MOE:
+            ok, rdy = router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns,
+                                  fault_site, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES, ACT_F32)
+    elif fam == 43:                                    # expert slot: row a0, rank a1, tile a2, K slice a3
+        if MOE:
+            ok, rdy = expert_task(bias_r, w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag,
+                                  hdr, timeout_ns, fault_site, scaling, E, KE, I_E, H, E_PAD, K_PAD, RENORM, ROWS_PAD,
+                                  BLOCK_N, BLOCK_K, NUM_STAGES, ACT_F32, KS_E)
+    elif fam == 44:                                    # down (dense): tiles a0 .. a0 + a1 - 1
+        ok, rdy = down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, rdy, pid, tag,
+                            hdr, timeout_ns, fault_site, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32)
+    elif fam == 45:                                    # moe_down: tiles a0 .. a0 + a1 - 1, row by row
+        if MOE:
+            ok, rdy = moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0,
+                                    a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, E, H, I, I_E, KE, ROWS_PAD,
+                                    BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32, NEXTN, B_Z)
+    elif fam == 46:                                    # post2: rank sum of tiles a0 .., hc_post
+        ok = post2_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, pid, tag, hdr, timeout_ns,
+                        fault_site, H, ROWS_PAD, BLOCK_N, NEXTN, B_Z)
+    return ok, rdy

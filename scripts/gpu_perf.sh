@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# One device call for a performance step (issues 11 / 12), everything under $OUT (<= 8 files):
+#   1. GPU tests of the kinds a change touches (TESTS: ';'-separated "files::-k expr" groups, JOBS at a
+#      time, until A_T seconds) -> tests.log;
+#   2. in-kernel traces (TRACES="kind:tp[:rows] ...", scripts/diag_layers.py --trace) -> trace.log;
+#   3. time_layers over TIMING (';'-separated scripts/time_matrix.py argument sets) -> timing.jsonl / .log;
+#      BASE=dir (a checkout of the commit before, e.g. `git archive` into .base/) times BASE_TIMING there
+#      too, in the same call, for side-by-side ratios (its records carry "tree": "base");
+#   4. the engine-style peer (.peer/, fla-core from .whl/; PEER="args" for baseline_layers.py,
+#      PEER_PDL="args" for baseline_pdl.py, empty: skipped) -> its tables in timing.log, peer.jsonl;
+#   then the Triton cache, packed newest first (cat triton_cache.part* > .triton_cache.tgz; carry it).
+# Stops starting steps DEADLINE seconds after the start (default 540).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 REQUIRE_CUDA=1 OMP_NUM_THREADS=2
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"; [ -f .triton_cache.tgz ] && tar xzf .triton_cache.tgz -C "$TRITON_CACHE_DIR" 2>/dev/null
+T0=$(date +%s); DEADLINE=${DEADLINE:-540}; A_T=${A_T:-200}; JOBS=${JOBS:-8}
+S="$OUT/summary.txt"; W=/tmp/gpu_perf; rm -rf $W; mkdir -p $W
+el() { echo $(( $(date +%s) - T0 )); }
+left() { echo $(( DEADLINE - $(el) )); }
+{ date -u; git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader; } > "$S" 2>&1
+
+# 1. tests
+if [ -n "${TESTS:-}" ]; then
+  IFS=';' read -ra groups <<< "$TESTS"; i=0
+  for g in "${groups[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
+    files=${g%%::*}; expr=${g#*::}; i=$((i + 1))
+    ( echo "### [$i] pytest -m gpu $files -k '$expr' (start $(el) s)"
+      t=$((A_T - $(el))); [ $t -lt 20 ] && t=20
+      timeout $t python3 -m pytest -q -m gpu -p no:cacheprovider -s --durations=3 $files -k "$expr"
+      echo "### [$i] rc=$? at $(el) s" ) > $W/group_$i.log 2>&1 &
+  done
+  wait
+  cat $W/group_*.log > "$OUT/tests.log"
+  { echo "=== tests done at $(el) s"
+    for f in $W/group_*.log; do head -n 1 $f; grep -E "passed|failed|error|rc=" $f | tail -n 3; done; } >> "$S"
+fi
+
+# 2. traces
+for kt in ${TRACES:-}; do
+  IFS=: read -r k tp r <<< "$kt"
+  [ "$(left)" -lt 60 ] && { echo "trace $kt not started (deadline)" >> "$S"; continue; }
+  echo "##### trace $k tp $tp rows ${r:-1}" >> "$OUT/trace.log"
+  timeout 120 python3 scripts/diag_layers.py --kind $k --tp $tp --rows ${r:-1} --pos 8191 --trace 2>&1 \
+    | grep -v "task#" >> "$OUT/trace.log"
+done
+[ -f "$OUT/trace.log" ] && echo "=== traces done at $(el) s" >> "$S"
+
+# 3. timings (ours, then the base tree's)
+run_matrix() {   # $1 = tree, $2 = jsonl, $3 = ';'-separated sets
+  IFS=';' read -ra sets <<< "$3"
+  for a in "${sets[@]}"; do
+    [ "$(left)" -lt 40 ] && { echo "not started (deadline): $1 $a" >> "$S"; continue; }
+    echo "=== [$1] time_matrix $a (start $(el) s)" >> "$OUT/timing.log"
+    ( cd "$1" && PYTHONPATH=. TRITON_CACHE_DIR="$TRITON_CACHE_DIR" timeout $(( $(left) + 30 )) \
+        python3 scripts/time_matrix.py $a --json-out "$2" --deadline $(( $(left) - 30 )) ) >> "$OUT/timing.log" 2>&1
+    echo "=== rc=$? [$1] time_matrix $a (end $(el) s)" >> "$S"
+  done
+}
+[ -n "${TIMING:-}" ] && run_matrix "$PWD" "$W/ours.jsonl" "$TIMING"
+[ -n "${BASE:-}" ] && [ -n "${BASE_TIMING:-}" ] && run_matrix "$PWD/$BASE" "$W/base.jsonl" "$BASE_TIMING"
+python3 - "$W" "$OUT/timing.jsonl" <<'PY'
+import json, os, sys
+with open(sys.argv[2], "a") as out:
+    for tree in ("ours", "base"):
+        f = os.path.join(sys.argv[1], tree + ".jsonl")
+        for line in (open(f) if os.path.exists(f) else []):
+            if line.strip():
+                out.write(json.dumps({"tree": tree, **json.loads(line)}) + "\n")
+PY
+[ -f "$OUT/timing.log" ] && grep -E "^(=== \[|!!)|launch tp|torch ops" "$OUT/timing.log" >> "$S"
+
+# 4. the peer
+if [ -n "${PEER:-}${PEER_PDL:-}" ] && [ "$(left)" -gt 60 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
+  { [ -n "${PEER:-}" ] && PYTHONPATH=/tmp/site timeout $(left) python3 .peer/baseline_layers.py $PEER --out $W/peer
+    [ -n "${PEER_PDL:-}" ] && [ "$(left)" -gt 40 ] && \
+      PYTHONPATH=/tmp/site timeout $(left) python3 .peer/baseline_pdl.py $PEER_PDL --out $W/peer_pdl
+  } >> "$OUT/timing.log" 2>&1
+  for d in peer peer_pdl; do [ -f $W/$d/results.jsonl ] && sed "s/^{/{\"peer\": \"$d\", /" $W/$d/results.jsonl \
+    >> "$OUT/peer.jsonl"; done
+  echo "=== peer done at $(el) s" >> "$S"
+fi
+
+# the cache for the next call: parts under the 16 MB file limit, newest entries first, as many as fit
+( cd "$TRITON_CACHE_DIR" && ls -1t | tar czf - -T - 2>/dev/null ) | split -b 15m - "$W/triton_cache.part"
+room=$(( 8 - $(ls "$OUT" | wc -l) )); ls "$W"/triton_cache.part* 2>/dev/null | head -n $room | xargs -r -I{} mv {} "$OUT/"
+echo "=== end at $(el) s" >> "$S"
+cat "$S"
