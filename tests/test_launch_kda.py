@@ -78,7 +78,7 @@ def test_kda_fault_every_site_then_clean(tiny_cfg, tiny_weights, tiny_ref, gen, 
     X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 1, gen)
     S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
     L = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=1)
-    want = [f"kda.{s}" for s in ("hp1", "a_in", "yin", "o", "hp2", "a", "rl", "hg", "xe", "h")]
+    want = [f"kda.{s}" for s in ("hp1", "a_in", "yin", "o", "hp2", "a", "rl", "hg", "sel", "xe", "h")]
     assert sites("kda", head_dim=64) == want
     fault_every_site(L, X, S, W, want, clean_after=("kda.hp1", "kda.rl", "kda.xe"))
 

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 HC_SLOT = 40      # fp32 words per (task, row) partial: 24 GEMV sums + the 4x4 Gram matrix
-JOIN_CHUNK = tl.constexpr(32)   # partial slots hc_coeffs loads per round
+JOIN_CHUNK = tl.constexpr(64)   # partial slots hc_coeffs loads per round (64 column tiles at H 4096: one)
 _SLOT = tl.constexpr(HC_SLOT)   # the same, visible inside @triton.jit code
 
 
@@ -149,13 +149,20 @@ def hc_coeffs(part_ptr, stride_task, n_parts, base_ptr, scale_ptr, H, eps, hc_ep
     """
     i4 = tl.arange(0, 4)
     ij = i4[:, None] * 4 + i4[None, :]
+    # weights first: their round trip overlaps the join's (no CTA barrier in between to stop that)
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    b_pre = tl.load(base_ptr + i4)
+    b_post = tl.load(base_ptr + 4 + i4)
+    b_comb = tl.load(base_ptr + 8 + ij)
     pre_s = tl.zeros([4], dtype=tl.float32)
     post_s = tl.zeros([4], dtype=tl.float32)
     comb_s = tl.zeros([4, 4], dtype=tl.float32)
     G = tl.zeros([4, 4], dtype=tl.float32)
     # JOIN_CHUNK slots per load round instead of one (64 dependent L2 round trips at H 4096). The traced
-    # gate tasks took 10-16 us on the H200 before and after this: the join was not their main cost.
-    # A chunk sums as a tree, chunks in task order
+    # gate tasks took 10-16 us on the H200 before and after this: the join was not their main cost (the
+    # Sinkhorn's CTA-wide reductions were: _sinkhorn). A chunk sums as a tree, chunks in task order
     tc = tl.arange(0, JOIN_CHUNK)
     t = 0
     while t < n_parts:
@@ -171,21 +178,91 @@ def hc_coeffs(part_ptr, stride_task, n_parts, base_ptr, scale_ptr, H, eps, hc_ep
         t += JOIN_CHUNK
     ss = tl.sum(tl.sum(tl.where(i4[:, None] == i4[None, :], G, 0.0), axis=1), axis=0)   # trace(G)
     inv = 1.0 / tl.sqrt(ss / (4 * H) + eps)                    # 1 / rms of the flat 4H row
-    s0 = tl.load(scale_ptr)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(pre_s * inv * s0 + tl.load(base_ptr + i4)) + hc_eps
-    post = 2.0 * tl.sigmoid(post_s * inv * s1 + tl.load(base_ptr + 4 + i4))
-    logits = comb_s * inv * s2 + tl.load(base_ptr + 8 + ij)                    # [4, 4]
-    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)                     # columns
-    for _ in range(ITERS - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)                 # rows
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)                 # columns
+    pre = tl.sigmoid(pre_s * inv * s0 + b_pre) + hc_eps
+    post = 2.0 * tl.sigmoid(post_s * inv * s1 + b_post)
+    logits = comb_s * inv * s2 + b_comb                                        # [4, 4]
+    comb = _sinkhorn(logits, hc_eps, ITERS)
     ss_in = tl.sum(tl.sum(pre[:, None] * G * pre[None, :], axis=1), axis=0)    # sum_c x_in[c]^2
     rstd = 1.0 / tl.sqrt(ss_in / H + eps)
     return pre, post, comb, rstd
+
+
+@triton.jit
+def _split4(t):
+    """[4] -> its 4 entries as scalars, in index order. tl.split keeps each pair in one thread, so the
+    entries end up in every thread: arithmetic on them needs no reduction and no CTA barrier."""
+    a, b = tl.split(tl.reshape(t, [2, 2]))          # a = t[0::2], b = t[1::2]
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _join4(t0, t1, t2, t3):
+    """_split4 inverse: 4 scalars -> [4]."""
+    return tl.reshape(tl.join(tl.join(t0, t2), tl.join(t1, t3)), [4])
+
+
+@triton.jit
+def _rownorm(a, b, c, d, hc_eps):
+    """One Sinkhorn normalisation of 4 entries: each over (their sum + eps), as the reference divides."""
+    den = a + b + c + d + hc_eps
+    return a / den, b / den, c / den, d / den
+
+
+@triton.jit
+def _sinkhorn(logits, hc_eps, ITERS: tl.constexpr):
+    """comb [4, 4] from the logits, ordered exactly as reference/ops.py hc_coeffs: row softmax + eps, one
+    column normalisation, then ITERS - 1 (rows, columns) rounds, eps in every denominator.
+
+    On 16 scalars held by every thread (_split4 of the rows): as [4, 4] tensors each of the ~40 row / column
+    sums was a CTA-wide reduction behind shared-memory barriers, ~3 us of the gate task's critical path
+    (sm_90 SASS: 4 BAR.SYNC per round). Same operations and order, so the same bits."""
+    i4 = tl.arange(0, 4)
+    e, o = tl.split(tl.reshape(logits, [8, 2]))             # row-major entries 0::2 and 1::2
+    ee, eo = tl.split(tl.reshape(e, [4, 2]))                # entries 0::4, 2::4
+    oe, oo = tl.split(tl.reshape(o, [4, 2]))                # entries 1::4, 3::4
+    c00, c10, c20, c30 = _split4(ee)
+    c02, c12, c22, c32 = _split4(eo)
+    c01, c11, c21, c31 = _split4(oe)
+    c03, c13, c23, c33 = _split4(oo)
+    # row softmax + eps
+    m = tl.maximum(tl.maximum(c00, c01), tl.maximum(c02, c03))
+    c00, c01, c02, c03 = tl.exp(c00 - m), tl.exp(c01 - m), tl.exp(c02 - m), tl.exp(c03 - m)
+    z = c00 + c01 + c02 + c03
+    c00, c01, c02, c03 = c00 / z + hc_eps, c01 / z + hc_eps, c02 / z + hc_eps, c03 / z + hc_eps
+    m = tl.maximum(tl.maximum(c10, c11), tl.maximum(c12, c13))
+    c10, c11, c12, c13 = tl.exp(c10 - m), tl.exp(c11 - m), tl.exp(c12 - m), tl.exp(c13 - m)
+    z = c10 + c11 + c12 + c13
+    c10, c11, c12, c13 = c10 / z + hc_eps, c11 / z + hc_eps, c12 / z + hc_eps, c13 / z + hc_eps
+    m = tl.maximum(tl.maximum(c20, c21), tl.maximum(c22, c23))
+    c20, c21, c22, c23 = tl.exp(c20 - m), tl.exp(c21 - m), tl.exp(c22 - m), tl.exp(c23 - m)
+    z = c20 + c21 + c22 + c23
+    c20, c21, c22, c23 = c20 / z + hc_eps, c21 / z + hc_eps, c22 / z + hc_eps, c23 / z + hc_eps
+    m = tl.maximum(tl.maximum(c30, c31), tl.maximum(c32, c33))
+    c30, c31, c32, c33 = tl.exp(c30 - m), tl.exp(c31 - m), tl.exp(c32 - m), tl.exp(c33 - m)
+    z = c30 + c31 + c32 + c33
+    c30, c31, c32, c33 = c30 / z + hc_eps, c31 / z + hc_eps, c32 / z + hc_eps, c33 / z + hc_eps
+    # columns
+    c00, c10, c20, c30 = _rownorm(c00, c10, c20, c30, hc_eps)
+    c01, c11, c21, c31 = _rownorm(c01, c11, c21, c31, hc_eps)
+    c02, c12, c22, c32 = _rownorm(c02, c12, c22, c32, hc_eps)
+    c03, c13, c23, c33 = _rownorm(c03, c13, c23, c33, hc_eps)
+    for _ in range(ITERS - 1):
+        c00, c01, c02, c03 = _rownorm(c00, c01, c02, c03, hc_eps)       # rows
+        c10, c11, c12, c13 = _rownorm(c10, c11, c12, c13, hc_eps)
+        c20, c21, c22, c23 = _rownorm(c20, c21, c22, c23, hc_eps)
+        c30, c31, c32, c33 = _rownorm(c30, c31, c32, c33, hc_eps)
+        c00, c10, c20, c30 = _rownorm(c00, c10, c20, c30, hc_eps)       # columns
+        c01, c11, c21, c31 = _rownorm(c01, c11, c21, c31, hc_eps)
+        c02, c12, c22, c32 = _rownorm(c02, c12, c22, c32, hc_eps)
+        c03, c13, c23, c33 = _rownorm(c03, c13, c23, c33, hc_eps)
+    r0 = _join4(c00, c01, c02, c03)
+    r1 = _join4(c10, c11, c12, c13)
+    r2 = _join4(c20, c21, c22, c23)
+    r3 = _join4(c30, c31, c32, c33)
+    return tl.where(i4[:, None] == 0, r0[None, :], tl.where(i4[:, None] == 1, r1[None, :],
+                    tl.where(i4[:, None] == 2, r2[None, :], r3[None, :])))
 
 
 @triton.jit

@@ -76,7 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import FP8_BLOCK, GemvConfig, _mult16, gemv_finish, gemv_prefetch, gemv_store, gemv_stream
+from .gemv import FP8_BLOCK, GemvConfig, _dot_x, _mult16, gemv_finish, gemv_prefetch, gemv_store, gemv_stream
 from .mlp import TEST_CFG, check_cfg, check_weight, gateup_finish, gateup_prefetch, mlp_gateup_kernel
 
 ROUTER_DENOM_EPS = tl.constexpr(1e-20)      # reference/ops.py ROUTER_DENOM_EPS
@@ -310,6 +310,60 @@ def moe_down_finish(d0, wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, w_d, 
         dj = gemv_stream(wd, sd, act_e_row + j * I, 0, 1, n0, 0, I, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
         y = y + dj * wj
     return y + shared
+
+
+@triton.jit
+def _down_step(acc, t, w_d, s_d, wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, n0, E, H, I: tl.constexpr,
+               ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr, K: tl.constexpr):
+    """Step t of moe_down_stream: 128 columns of GEMV j = t // S (routed expert j < K, else the shared one)."""
+    j = t // S
+    k = _mult16((t - j * S) * 128)
+    jr = tl.minimum(j, K - 1)
+    routed = j < K
+    e = tl.minimum(tl.maximum(tl.load(ids_row + jr), 0), E - 1).to(tl.int64)
+    wj = tl.where(routed, tl.load(rw_row + jr), 1.0)
+    wb = tl.where(routed, w_d + e * H * I, wd_s)
+    xb = tl.where(routed, act_e_row + jr * I, act_s_row)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_k = k + tl.arange(0, 128)
+    w = tl.load(wb + offs_n[:, None].to(tl.int64) * I + offs_k[None, :], eviction_policy="evict_first")
+    offs_r = tl.arange(0, ROWS_PAD)
+    xt = tl.load(xb + offs_k[:, None] + offs_r[None, :] * 0, mask=offs_r[None, :] < 1, other=0.0,
+                 cache_modifier=".cg").to(tl.float32) * wj                       # [128, R]: w_j x, column 0
+    if w.dtype == tl.float8e4nv:
+        sb = tl.where(routed, s_d + e * ((H // 128) * (I // 128)), sd_s)
+        sc = tl.load(sb + (n0 // 128) * (I // 128) + k // 128)
+        part = _dot_x(tl.zeros(acc.shape, dtype=tl.float32), w.to(tl.float16), xt)
+        acc = tl.fma(part, sc, acc)
+    else:
+        acc = _dot_x(acc, w, xt)
+    return acc
+
+
+@triton.jit
+def moe_down_stream(w_d, s_d, wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, n0, E, H,
+                    I: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+                    K: tl.constexpr):
+    """One row's MoE output columns [n0, n0 + BLOCK_N) as ONE pipelined GEMV over the K routed experts'
+    down tiles and the shared expert's, concatenated along K (all of width I, 128-column steps):
+    y = sum_j (w_j x_j) @ Wd_{e_j}^T + x_s @ Wd_s^T, the routing weight folded into the fp32 activation
+    (split hi + lo for the MMA, ~16 bits, finer than the bf16 activation it scales). The K + 1 separate
+    short loops of moe_down_finish each paid a pipeline fill and their expert-id round trip (2 steps each
+    at TP8: 9 fills, ~16 us traced); here the ids are L1-cached scalar loads inside one pipeline.
+    Whole tiles only (the launches: n0 + BLOCK_N <= H, I % 128 == 0). [BLOCK_N, ROWS_PAD] fp32, column 0."""
+    S: tl.constexpr = I // 128
+    acc = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
+    if _interpreting():
+        t = 0
+        while t < (K + 1) * S:
+            acc = _down_step(acc, t, w_d, s_d, wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, n0, E, H, I,
+                             ROWS_PAD, BLOCK_N, S, K)
+            t += 1
+    else:
+        for t in tl.range(0, (K + 1) * S, num_stages=NUM_STAGES):
+            acc = _down_step(acc, t, w_d, s_d, wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, n0, E, H, I,
+                             ROWS_PAD, BLOCK_N, S, K)
+    return acc
 
 
 # ---------------------------------------------------------------------------- standalone test kernels

@@ -22,12 +22,12 @@ from sync.device import signal_box, wait_box
 from ..kernels.gemv import gemv_store, gemv_stream
 from ..kernels.mhc import hc_partial_finish, hc_partial_prefetch, hc_post_partial, hc_post_tile
 from .tail import _l2_prefetch
-from .mixer_kda import SLOT_W, embed_gather, gate_rows, peer_publish, xchg_publish, xchg_sum
+from .mixer_kda import SLOT_W, embed_gather, gate_row, peer_publish, xchg_publish, xchg_sum
 
 # ---------------------------------------------------------------------------- meta layout
 BOX_BASE_H = 64
 BOX_BASE: tl.constexpr = tl.constexpr(BOX_BASE_H)
-COMMON_BOXES = ("hp1", "a_in", "o", "hp2", "a", "h", "rl", "xe", "hg")
+COMMON_BOXES = ("hp1", "a_in", "o", "hp2", "a", "h", "rl", "xe", "hg", "sel")
 COMMON_ROWS = ("part1", "part2", "coef1", "coef2", "a_in_rows", "a_rows", "o_rows", "y1", "xmid", "h_rows", "y2",
                "part_r", "ids_rec", "rw_rec", "act_e", "hpart", "epart")
 COMMON_SCALARS = ("hdr", "site_xo", "site_xd", "npart1", "npart2", "nrpart")
@@ -45,7 +45,7 @@ _META, _ = meta_layout(COMMON_BOXES, COMMON_ROWS)
 (M_PART1, M_PART2, M_COEF1, M_COEF2, M_AIN, M_A, M_ON, M_Y1, M_XMID, M_H, M_Y2, M_PART_R, M_IDS, M_RW, M_ACTE, M_HPART,
  M_EPART, M_HDR, M_SITE_XO, M_SITE_XD, M_NPART1, M_NPART2, M_NRPART) = (tl.constexpr(_META[n])
                                                                       for n in COMMON_ROWS + COMMON_SCALARS)
-B_HP1, B_AIN, B_O, B_HP2, B_A, B_H, B_RL, B_XE, B_HG = (tl.constexpr(i) for i in range(len(COMMON_BOXES)))
+B_HP1, B_AIN, B_O, B_HP2, B_A, B_H, B_RL, B_XE, B_HG, B_SEL = (tl.constexpr(i) for i in range(len(COMMON_BOXES)))
 
 
 # ---------------------------------------------------------------------------- hand-off helpers
@@ -209,24 +209,25 @@ def hc_pre_task(xs, fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2, tag, 
 
 
 @triton.jit(noinline=True)
-def gate_task(xs, base, scale, ln, scratch, meta, rows, a0, a1, rdy, pid, tag, hdr, timeout_ns, fault_site, eps,
+def gate_task(xs, base, scale, ln, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps,
               hc_eps, SECOND: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, ITERS: tl.constexpr,
               GATE_BH: tl.constexpr, ACT_F32: tl.constexpr):
     """gate1 (SECOND False: waits hp1, writes coef1 / a_in) or gate2 (waits hp2, coef2 / a): columns
-    [a0, a0 + GATE_BH) of every row's gate row from the streams xs, producer a1. -> (ok, rdy)."""
+    [a0, a0 + GATE_BH) of row a2's gate row from the streams xs, producer a1. One task per (row, column
+    tile): rows run in parallel, not one after another. -> (ok, rdy)."""
     if SECOND:
         ok, rdy = waitb(scratch, meta, B_HP2, rdy, pid, tag, hdr, timeout_ns)
         if ok != 0:
-            gate_rows(xs, f32_at(scratch, meta, M_PART2), tl.load(meta + M_NPART2), base, scale, ln,
-                      f32_at(scratch, meta, M_COEF2), act_at(scratch, meta, M_A, ACT_F32), rows, a0, a1 == 0, eps,
-                      hc_eps, H, ROWS_PAD, ITERS, GATE_BH)
+            gate_row(xs, f32_at(scratch, meta, M_PART2), tl.load(meta + M_NPART2), base, scale, ln,
+                     f32_at(scratch, meta, M_COEF2), act_at(scratch, meta, M_A, ACT_F32), a2, rows, a0, a0 == 0, eps,
+                     hc_eps, H, ROWS_PAD, ITERS, GATE_BH)
             signal(scratch, meta, B_A, a1, tag, fault_site)
     else:
         ok, rdy = waitb(scratch, meta, B_HP1, rdy, pid, tag, hdr, timeout_ns)
         if ok != 0:
-            gate_rows(xs, f32_at(scratch, meta, M_PART1), tl.load(meta + M_NPART1), base, scale, ln,
-                      f32_at(scratch, meta, M_COEF1), act_at(scratch, meta, M_AIN, ACT_F32), rows, a0, a1 == 0, eps,
-                      hc_eps, H, ROWS_PAD, ITERS, GATE_BH)
+            gate_row(xs, f32_at(scratch, meta, M_PART1), tl.load(meta + M_NPART1), base, scale, ln,
+                     f32_at(scratch, meta, M_COEF1), act_at(scratch, meta, M_AIN, ACT_F32), a2, rows, a0, a0 == 0, eps,
+                     hc_eps, H, ROWS_PAD, ITERS, GATE_BH)
             signal(scratch, meta, B_AIN, a1, tag, fault_site)
     return ok, rdy
 

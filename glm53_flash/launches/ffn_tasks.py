@@ -7,9 +7,9 @@ Stages (host side: layer_host.py _ffn_graph for dense, kda.py _ffn_graph for the
   gate_up   dense / shared-expert gate|up tiles, split-K (KS_GU slices, schedule.py choose_k_split):
             raw fp32 gate and up partial planes -> hpart [KS_GU, width, 2, I]               box hg
   router    (MoE) logit partials over ROUTER_PARTS K ranges -> part_r                        box rl
-  expert    (MoE) slot (row, rank j, tile, K slice of KS_E): joins the row's router partials and
-            selects itself, streams its K slice of the chosen expert's gate|up tile
-            -> epart [KS_E, width, KE, 2, I_E]                                               box xe
+  route     (MoE) one task per row: joins the row's partials, top-k -> the record (ids, w)  box sel
+  expert    (MoE) slot (row, rank j, tile, K slice of KS_E): streams its K slice of the chosen
+            expert's gate|up tile -> epart [KS_E, width, KE, 2, I_E]                         box xe
   act       joins the planes in plane order, clamped SwiGLU, bf16: kind 0 the dense / shared h
             columns (waits hg), kind 1 a row's expert activations act_e (waits xe)           box h
   down      dense down tiles, or moe_down (routed experts in rank order, then the shared one),
@@ -25,15 +25,27 @@ import triton.language as tl
 
 from ..kernels.gemv import gemv_store, gemv_stream, plane_sum
 from ..kernels.mlp import swiglu_clamped
-from ..kernels.moe import moe_down_finish, router_finish, router_prefetch, router_select, router_store_partial, \
-    router_store_record
-from .ffn import (B_A, B_H, B_HG, B_RL, B_XE, M_A, M_ACTE, M_COEF2, M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R,
+from ..kernels.moe import (expert_id, moe_down_finish, moe_down_stream, router_finish, router_prefetch, router_select,
+                           router_store_partial, router_store_record)
+from .ffn import (B_A, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACTE, M_COEF2, M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R,
                   M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles, act_at, add_cols, f32_at, gemv_tile, i32_at,
                   l2_prefetch_rows, post_cols, signal, waitb)
 from .mixer_kda import xchg_publish
 
 FFN_BASE = tl.constexpr(40)
-FFN_FAMILIES = {"gu": 40, "act": 41, "router": 42, "expert": 43, "down": 44, "moe_down": 45, "post2": 46}
+FFN_FAMILIES = {"gu": 40, "act": 41, "router": 42, "expert": 43, "down": 44, "moe_down": 45, "post2": 46,
+                "route": 47}
+
+
+def with_ffn_families(own: dict) -> dict:
+    """A kernel's family codes: its own plus FFN_FAMILIES; a name or code both use is an error (the DSA
+    kernel's top-k `select` once shadowed an FFN family of the same name)."""
+    clash = (own.keys() & FFN_FAMILIES.keys()) | ({c for c in own.values()} & set(FFN_FAMILIES.values()))
+    if clash:
+        raise ValueError(f"task families clash with the FFN families: {sorted(map(str, clash))}")
+    return {**own, **FFN_FAMILIES}
+
+
 ACT_COLS = 256              # act columns per task (expert activations) and per vector step
 ACT_BLOCK = tl.constexpr(ACT_COLS)
 
@@ -81,19 +93,6 @@ def _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H: tl.con
     else:
         post_cols(f32_at(scratch, meta, M_XMID), f32_at(scratch, meta, M_Y2), f32_at(scratch, meta, M_COEF2), X_out,
                   rows, a0 * BLOCK_N, tl.minimum((a0 + a1) * BLOCK_N, H), H, BLOCK_N)
-
-
-@triton.jit(noinline=True)
-def _expert_pick(part_r, n_parts, width, bias, ids_rec, rw_rec, r, j, i0, ks, scaling, E: tl.constexpr,
-                 K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr):
-    """The row's selection (router_select over the joined partials) -> expert id of rank j (int64); slot
-    (r, 0, 0, 0) also stores the record. A call: the [E_PAD] selection tensors stay out of the GEMVs."""
-    ids, w = router_select(part_r + r * E, width * E, n_parts, bias, E, scaling, K, E_PAD, K_PAD, RENORM)
-    kk = tl.arange(0, K_PAD)
-    if (j == 0) & (i0 == 0) & (ks == 0):
-        router_store_record(ids_rec + r * K, rw_rec + r * K, ids, w, K, K_PAD)
-    e = tl.sum(tl.where(kk == j, ids, 0), axis=0)
-    return tl.minimum(tl.maximum(e, 0), E - 1).to(tl.int64)
 
 
 # ---------------------------------------------------------------------------- task families
@@ -194,22 +193,32 @@ def router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, t
 
 
 @triton.jit(noinline=True)
-def expert_task(bias_r, w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns,
-                fault_site, scaling, E: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr, H: tl.constexpr,
-                E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, ROWS_PAD: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr,
-                KS: tl.constexpr):
-    """Expert slot (row a0, rank a1, tile a2, K slice a3 of KS) after the rl wait, producer a4 of xe: the
-    slot joins the row's logit partials and selects itself (kernels/moe.py router_select: the same code
-    and inputs in every slot of the row, so the same bits), then streams its K slice of the chosen
-    expert's gate|up tile into epart plane a3. Slot (r, 0, 0, 0) also writes the row's record (ids,
-    weights) for the down tasks: no select stage, no extra hop. -> (ok, rdy)."""
+def route_task(bias_r, scratch, meta, rows, width, a0, a1, rdy, pid, tag, hdr, timeout_ns, fault_site, scaling,
+                E: tl.constexpr, KE: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr):
+    """Row a0's routing after the rl wait: join its logit partials (kernels/moe.py router_select), write its
+    record (ids, weights), producer a1 of sel. One task per row: an expert slot then reads one id instead
+    of repeating the join and the top-k (which cost every slot ~3-4 us; 2048 slots at 8 rows). -> (ok, rdy)."""
     ok, rdy = waitb(scratch, meta, B_RL, rdy, pid, tag, hdr, timeout_ns)
     if (ok != 0) & (a0 < rows):
-        i0 = a2 * BLOCK_N
-        e = _expert_pick(f32_at(scratch, meta, M_PART_R), tl.load(meta + M_NRPART), width, bias_r,
-                         i32_at(scratch, meta, M_IDS), f32_at(scratch, meta, M_RW), a0, a1, i0, a3, scaling, E, KE,
-                         E_PAD, K_PAD, RENORM)
+        ids, w = router_select(f32_at(scratch, meta, M_PART_R) + a0 * E, width * E, tl.load(meta + M_NRPART), bias_r,
+                               E, scaling, KE, E_PAD, K_PAD, RENORM)
+        router_store_record(i32_at(scratch, meta, M_IDS) + a0 * KE, f32_at(scratch, meta, M_RW) + a0 * KE, ids, w, KE,
+                            K_PAD)
+    if ok != 0:
+        signal(scratch, meta, B_SEL, a1, tag, fault_site)
+    return ok, rdy
+
+
+@triton.jit(noinline=True)
+def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns, fault_site,
+                E: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr,
+                KS: tl.constexpr):
+    """Expert slot (row a0, rank a1, tile a2, K slice a3 of KS) after the sel wait, producer a4 of xe: streams
+    its K slice of the chosen expert's gate|up tile into epart plane a3. -> (ok, rdy)."""
+    ok, rdy = waitb(scratch, meta, B_SEL, rdy, pid, tag, hdr, timeout_ns)
+    if (ok != 0) & (a0 < rows):
+        e = expert_id(i32_at(scratch, meta, M_IDS), a0 * KE + a1, E)
         wg = w_gu + e * 2 * I_E * H
         wu = wg + I_E * H
         if w_gu.dtype.element_ty == tl.float8e4nv:
@@ -221,8 +230,8 @@ def expert_task(bias_r, w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, 
             su = wu
         KL: tl.constexpr = H // KS
         part = f32_at(scratch, meta, M_EPART) + a3 * width * KE * 2 * I_E + (a0 * KE + a1) * 2 * I_E
-        gateup_part_tile(wg, wu, sg, su, act_at(scratch, meta, M_A, ACT_F32) + a0 * H, 0, part, 1, i0, a3 * KL,
-                         a3 * KL + KL, I_E, H, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
+        gateup_part_tile(wg, wu, sg, su, act_at(scratch, meta, M_A, ACT_F32) + a0 * H, 0, part, 1, a2 * BLOCK_N,
+                         a3 * KL, a3 * KL + KL, I_E, H, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
     if ok != 0:
         signal(scratch, meta, B_XE, a4, tag, fault_site)
     return ok, rdy
@@ -234,10 +243,16 @@ def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, width, tp_ran
                   ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr,
                   NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr):
     """Row rr's MoE output columns [n0, n0 + BLOCK_N): y2 (TP 1) or this rank's xd slot (TP > 1)."""
-    acc = moe_down_finish(None, W_d, S_d, act_at(scratch, meta, M_H, ACT_F32) + rr * I,
-                          i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
-                          act_at(scratch, meta, M_ACTE, ACT_F32) + rr * KE * I_E, w_de, s_de, n0, E, H, I_E, I,
-                          ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, KE)
+    if (I == I_E) & (H % BLOCK_N == 0) & (I % 128 == 0):              # GLM: one shared expert as wide as a routed one
+        acc = moe_down_stream(w_de, s_de, W_d, S_d, act_at(scratch, meta, M_H, ACT_F32) + rr * I,
+                              i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
+                              act_at(scratch, meta, M_ACTE, ACT_F32) + rr * KE * I_E, n0, E, H, I, ROWS_PAD, BLOCK_N,
+                              NUM_STAGES, KE)
+    else:
+        acc = moe_down_finish(None, W_d, S_d, act_at(scratch, meta, M_H, ACT_F32) + rr * I,
+                              i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
+                              act_at(scratch, meta, M_ACTE, ACT_F32) + rr * KE * I_E, w_de, s_de, n0, E, H, I_E, I,
+                              ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, KE)
     if tp_size == 1:
         gemv_store(f32_at(scratch, meta, M_Y2) + rr * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
     else:
@@ -292,9 +307,13 @@ def ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_
                                   fault_site, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES, ACT_F32)
     elif fam == 43:                                    # expert slot: row a0, rank a1, tile a2, K slice a3
         if MOE:
-            ok, rdy = expert_task(bias_r, w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag,
-                                  hdr, timeout_ns, fault_site, scaling, E, KE, I_E, H, E_PAD, K_PAD, RENORM, ROWS_PAD,
-                                  BLOCK_N, BLOCK_K, NUM_STAGES, ACT_F32, KS_E)
+            ok, rdy = expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr,
+                                  timeout_ns, fault_site, E, KE, I_E, H, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES,
+                                  ACT_F32, KS_E)
+    elif fam == 47:                                    # route: row a0's expert choice, producer a1
+        if MOE:
+            ok, rdy = route_task(bias_r, scratch, meta, rows, width, a0, a1, rdy, pid, tag, hdr, timeout_ns,
+                                  fault_site, scaling, E, KE, E_PAD, K_PAD, RENORM)
     elif fam == 44:                                    # down (dense): tiles a0 .. a0 + a1 - 1
         ok, rdy = down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, rdy, pid, tag,
                             hdr, timeout_ns, fault_site, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32)

@@ -35,7 +35,7 @@ class KdaLaunch(KdaLayerLaunch):
     @classmethod
     def site_names(cls, tp_size: int = 1, block_v_split: bool = False) -> list[str]:
         s = ["hp1", "a_in", "yin"] + (["oraw"] if block_v_split else []) + ["o"]
-        s += (["xo"] if tp_size > 1 else []) + ["hp2", "a", "rl", "hg", "xe", "h"] + (["xd"] if tp_size > 1 else [])
+        s += (["xo"] if tp_size > 1 else []) + ["hp2", "a", "rl", "hg", "sel", "xe", "h"] + (["xd"] if tp_size > 1 else [])
         return [f"kda.{n}" for n in s]
 
     def _ffn_names(self, p: str) -> list[str]:
@@ -97,6 +97,11 @@ class KdaLaunch(KdaLayerLaunch):
                 slot += 1
         self.n_box["rl"] = slot
         self._gemv_stage(g, "gu", self.I, 2 * H * wb, ("a",), ("hg",), "hg", k_split=self.ks_gu)
+        g.stage("route")
+        for r in range(W):
+            g.add("route", (r, r), reads=("rl",), writes=("sel",), nbytes=self.nrpart * self.E * 4)
+        self.n_box["sel"] = W
+        prod = self._act_tasks(g, 0)                    # the shared expert's h: off the critical path here
         g.stage("experts")
         tiles = -(-self.I_E // BN)
         slot = 0
@@ -104,11 +109,10 @@ class KdaLaunch(KdaLayerLaunch):
             for r in range(W):
                 for j in range(self.KE):
                     for t in range(tiles):
-                        g.add("expert", (r, j, t, ks, slot), reads=("rl",), writes=("xe",),
+                        g.add("expert", (r, j, t, ks, slot), reads=("sel",), writes=("xe",),
                               nbytes=2 * BN * H * wbe // self.ks_e)
                         slot += 1
         self.n_box["xe"] = slot
-        prod = self._act_tasks(g, 0)                    # the shared expert's h: off the critical path here
         g.stage("act")
         n = self.KE * self.I_E
         for r in range(W):

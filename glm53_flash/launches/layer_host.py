@@ -269,9 +269,11 @@ class KdaLayerLaunch(Launch):
         self.gate_bh = min(512, H)
         n_gate = H // self.gate_bh
         g.stage("gate_in")
-        for t in range(n_gate):
-            g.add("gate1", (t * self.gate_bh, t), reads=("hp1",), writes=("a_in",), nbytes=W * 4 * self.gate_bh * 4)
-        self.n_box["a_in"] = n_gate
+        for r in range(W):
+            for t in range(n_gate):
+                g.add("gate1", (t * self.gate_bh, r * n_gate + t, r), reads=("hp1",), writes=("a_in",),
+                      nbytes=4 * self.gate_bh * 4)
+        self.n_box["a_in"] = W * n_gate
 
     def _graph_oproj(self, g, row_bytes: int) -> None:
         """o_proj tiles (row_bytes: bytes of one weight row); TP > 1: the exchange and the rank sums."""
@@ -289,11 +291,12 @@ class KdaLayerLaunch(Launch):
 
     def _graph_gate_ffn(self, g) -> None:
         g.stage("gate_ffn")
-        n_gate = self.H // self.gate_bh
-        for t in range(n_gate):
-            g.add("gate2", (t * self.gate_bh, t), reads=("hp2",), writes=("a",),
-                  nbytes=self.width * 4 * self.gate_bh * 4)
-        self.n_box["a"] = n_gate
+        n_gate, W = self.H // self.gate_bh, self.width
+        for r in range(W):
+            for t in range(n_gate):
+                g.add("gate2", (t * self.gate_bh, r * n_gate + t, r), reads=("hp2",), writes=("a",),
+                      nbytes=4 * self.gate_bh * 4)
+        self.n_box["a"] = W * n_gate
 
     def _ffn_graph(self, g: TaskGraph, wb: int) -> None:
         H, tp, BN, W = self.H, self.tp_size, self.block_n, self.width
