@@ -76,10 +76,11 @@ PY
 # 4. the peer
 if [ -n "${PEER:-}${PEER_PDL:-}" ] && [ "$(left)" -gt 60 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
-  { [ -n "${PEER:-}" ] && PYTHONPATH=/tmp/site timeout $(left) python3 .peer/baseline_layers.py $PEER --out $W/peer
+  { [ -n "${PEER:-}" ] && OUT= PYTHONPATH=/tmp/site timeout $(left) python3 .peer/baseline_layers.py $PEER --out $W/peer
     [ -n "${PEER_PDL:-}" ] && [ "$(left)" -gt 40 ] && \
-      PYTHONPATH=/tmp/site timeout $(left) python3 .peer/baseline_pdl.py $PEER_PDL --out $W/peer_pdl
+      OUT= PYTHONPATH=/tmp/site timeout $(left) python3 .peer/baseline_pdl.py $PEER_PDL --out $W/peer_pdl
   } >> "$OUT/timing.log" 2>&1
+  cat $W/peer*/table.txt >> "$OUT/timing.log" 2>/dev/null
   for d in peer peer_pdl; do [ -f $W/$d/results.jsonl ] && sed "s/^{/{\"peer\": \"$d\", /" $W/$d/results.jsonl \
     >> "$OUT/peer.jsonl"; done
   echo "=== peer done at $(el) s" >> "$S"
