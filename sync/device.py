@@ -178,20 +178,23 @@ def await_pairs(ptr, mask, tag, hdr, site, cta, budget_ns):
 
 
 @triton.jit
-def _spin_box(block, n_prod, tag, abort_ptr, budget_ns):
-    # Thread 0 only: nothing in here may emit bar.sync (no reductions, no scalar atomics, no barrier).
+def _spin_lines(block, n_prod, tag, abort_ptr, budget_ns):
+    # One lane of warp 0 per 128-byte line (lines lane, lane + 32, ...): the lanes' polls go out together,
+    # so a poll cycle costs one round trip however many lines the box has. Thread 0 walking the lines one
+    # after another paid a round trip per line (7-8 for the in_proj and expert boxes, 64 for 2048
+    # producers). Nothing in here may emit bar.sync (no reductions, no scalar atomics, no barrier).
     t0 = globaltimer()
-    line = 0
+    line = tid_x()
     live = 1
     while (line * 32 < n_prod) & (live != 0):
         want = n_prod - line * 32
         m = tl.where(want >= 32, -1, (1 << tl.minimum(want, 31)) - 1)
         bits = line_match_bits(block + line * 32, tag)
         if (bits & m) == m:
-            line += 1
+            line += 32
         else:
             live = ((ld_relaxed_u32(abort_ptr) != tag) & ((globaltimer() - t0) <= budget_ns)).to(tl.int32)
-    fence_acq_rel()                 # acquire: the relaxed line loads above + this fence
+    fence_acq_rel()                 # acquire: this lane's relaxed line loads above + this fence
 
 
 @triton.jit
@@ -199,14 +202,15 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns)
     """Wait until the first `n_prod` words of block `consumer` of the box carry `tag` -> ok (uniform).
     `cta` (this CTA's id) only goes into the error record.
 
-    One thread polls the block (all 128-byte lines, relaxed vector loads, one fence), then a CTA
-    barrier; the CTA then re-reads the words with L1-bypassing loads to agree on the outcome."""
+    The lanes of warp 0 poll the block's 128-byte lines at once (one line each, relaxed vector loads, a
+    fence per polling lane), then a CTA barrier; the CTA then re-reads the words with L1-bypassing loads
+    to agree on the outcome."""
     block = box + consumer * block_words
     budget_ns = staggered_budget(budget_ns, site)
     if not in_interpreter():
-        if tid_x() == 0:
-            _spin_box(block, n_prod, tag, hdr + H_ABORT, budget_ns)
-        tl.debug_barrier()          # orders the whole CTA after thread 0's acquire
+        if tid_x() < 32:
+            _spin_lines(block, n_prod, tag, hdr + H_ABORT, budget_ns)
+        tl.debug_barrier()          # orders the whole CTA after the polling lanes' acquires
     offs = tl.arange(0, 32)
     nbad = 0
     seen = 0

@@ -3,6 +3,7 @@ injection and the error record, run as real kernel code under the interpreter (s
 compile-only check of the sm_90 PTX (no GPU needed): no CTA barrier inside the one-thread spin."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,24 +100,63 @@ print(json.dumps({"ptx": ck.asm["ptx"]}))
 """
 
 
+def _ptx_blocks(lines: list[str]):
+    """Basic blocks of a PTX listing: (first line, last line) per block and their successor block ids."""
+    starts = sorted({0} | {k for k, ln in enumerate(lines) if re.match(r"\s*\$?[\w$]+:", ln)}
+                    | {k + 1 for k, ln in enumerate(lines) if re.search(r"\b(bra|ret|exit)\b", ln)})
+    starts = [k for k in starts if k < len(lines)]
+    blocks = [(a, b - 1) for a, b in zip(starts, starts[1:] + [len(lines)])]
+    label = {m.group(1): n for n, (a, _) in enumerate(blocks)
+             if (m := re.match(r"\s*(\$?[\w$]+):", lines[a]))}
+    succ = []
+    for n, (a, b) in enumerate(blocks):
+        out, falls = set(), True
+        for ln in lines[a:b + 1]:
+            m = re.search(r"\bbra(?:\.uni)?\s+([\w$]+);", ln)
+            if m and m.group(1) in label:
+                out.add(label[m.group(1)])
+                falls = falls and ln.lstrip().startswith("@")            # a predicated branch falls through
+            if re.search(r"\b(ret|exit);", ln):
+                falls = False
+        if falls and n + 1 < len(blocks):
+            out.add(n + 1)
+        succ.append(out)
+    return blocks, succ
+
+
 def spin_regions_without_barrier(ptx: str) -> list[int]:
-    """Line numbers of box polls (relaxed v4 loads) with a bar.sync between the tid.x test and the fence."""
+    """Line numbers of box polls (relaxed v4 loads) whose spin loop (the blocks on a cycle through the
+    load's block) holds a bar.sync: lanes that spin alone would wait there forever."""
     lines = ptx.splitlines()
+    blocks, succ = _ptx_blocks(lines)
+
+    def reach(src):
+        seen, todo = set(), [src]
+        while todo:
+            for s in succ[todo.pop()]:
+                if s not in seen:
+                    seen.add(s)
+                    todo.append(s)
+        return seen
+    fwd = [None] * len(blocks)
     bad = []
     for i, ln in enumerate(lines):
         if "ld.relaxed.gpu.global.v4.u32" not in ln:
             continue
-        a = max(j for j in range(i) if "%tid.x" in lines[j])
-        b = min(j for j in range(i, len(lines)) if "fence.acq_rel.gpu" in lines[j])
-        if any("bar.sync" in lines[j] or "barrier.sync" in lines[j] for j in range(a, b)):
+        b = next(n for n, (lo, hi) in enumerate(blocks) if lo <= i <= hi)
+        fwd[b] = fwd[b] if fwd[b] is not None else reach(b)
+        loop = {x for x in fwd[b] if b in (fwd[x] if fwd[x] is not None else reach(x))} | {b}
+        if any(re.search(r"\b(bar|barrier)\.sync\b", lines[k]) for x in loop for k in range(blocks[x][0],
+                                                                                            blocks[x][1] + 1)):
             bad.append(i)
     return bad
 
 
 def test_spin_check_catches_a_barrier():
-    ptx = "mov.u32 %r1, %tid.x;\nbar.sync 0;\nld.relaxed.gpu.global.v4.u32 {%a,%b,%c,%d}, [%rd1];\nfence.acq_rel.gpu;"
-    assert spin_regions_without_barrier(ptx) == [2]
-    assert spin_regions_without_barrier(ptx.replace("bar.sync 0;", "add.s32 %r2, %r1, 1;")) == []
+    ptx = ("mov.u32 %r1, %tid.x;\nbar.sync 0;\n$L__spin:\nld.relaxed.gpu.global.v4.u32 {%a,%b,%c,%d}, [%rd1];\n"
+           "bar.sync 0;\n@%p1 bra $L__spin;\nfence.acq_rel.gpu;\nbar.sync 0;")
+    assert spin_regions_without_barrier(ptx) == [3]                     # the barrier inside the loop
+    assert spin_regions_without_barrier(ptx.replace("bar.sync 0;\n@%p1", "add.s32 %r2, %r1, 1;\n@%p1")) == []
 
 
 def sm90_ptx(script: str) -> str:
