@@ -76,7 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import FP8_BLOCK, GemvConfig, _dot_x, _mult16, gemv_finish, gemv_prefetch, gemv_store, gemv_stream
+from .gemv import FP8_BLOCK, GemvConfig, _mult16, gemv_finish, gemv_prefetch, gemv_store, gemv_stream
 from .mlp import TEST_CFG, check_cfg, check_weight, gateup_finish, gateup_prefetch, mlp_gateup_kernel
 
 ROUTER_DENOM_EPS = tl.constexpr(1e-20)      # reference/ops.py ROUTER_DENOM_EPS
@@ -310,69 +310,6 @@ def moe_down_finish(d0, wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, w_d, 
         dj = gemv_stream(wd, sd, act_e_row + j * I, 0, 1, n0, 0, I, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
         y = y + dj * wj
     return y + shared
-
-
-@triton.jit
-def _split8(v):
-    """[8] -> its 8 entries as scalars held by every thread (tl.split: no reduction, no barrier)."""
-    a, b = tl.split(tl.reshape(v, [4, 2]))                  # v[0::2], v[1::2]
-    a0, a1 = tl.split(tl.reshape(a, [2, 2]))                # v[0::4], v[2::4]
-    b0, b1 = tl.split(tl.reshape(b, [2, 2]))                # v[1::4], v[3::4]
-    v0, v4 = tl.split(a0)
-    v2, v6 = tl.split(a1)
-    v1, v5 = tl.split(b0)
-    v3, v7 = tl.split(b1)
-    return v0, v1, v2, v3, v4, v5, v6, v7
-
-
-@triton.jit
-def _pick8(j, v0, v1, v2, v3, v4, v5, v6, v7):
-    """v_j for a scalar j in [0, 8) (scalar selects)."""
-    lo = tl.where(j == 0, v0, tl.where(j == 1, v1, tl.where(j == 2, v2, v3)))
-    hi = tl.where(j == 4, v4, tl.where(j == 5, v5, tl.where(j == 6, v6, v7)))
-    return tl.where(j < 4, lo, hi)
-
-
-@triton.jit
-def moe_down_stream(w_d, s_d, wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, n0, E, H,
-                    I: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-                    K: tl.constexpr):
-    """One row's MoE output columns [n0, n0 + BLOCK_N) as ONE pipelined GEMV over the K routed experts'
-    down tiles and the shared expert's, concatenated along K (all of width I, 128-column steps):
-    y = sum_j (w_j x_j) @ Wd_{e_j}^T + x_s @ Wd_s^T, the routing weight folded into the fp32 activation
-    (split hi + lo for the MMA, ~16 bits, finer than the bf16 activation it scales). The K + 1 separate
-    short loops of moe_down_finish each paid a pipeline fill and their expert-id round trip (2 steps each
-    at TP8: 9 fills, ~16 us traced). The record (K <= 8 ids and weights) is read once, before the loop,
-    into scalars every thread holds: a step's weight address depends on no load, so the pipeliner keeps
-    its full depth. Whole tiles only (n0 + BLOCK_N <= H, I % 128 == 0). [BLOCK_N, ROWS_PAD] fp32, column 0."""
-    tl.static_assert(K <= 8, "moe_down_stream holds at most 8 routed experts")
-    S: tl.constexpr = I // 128
-    kk = tl.arange(0, 8)
-    i0, i1, i2, i3, i4, i5, i6, i7 = _split8(tl.load(ids_row + kk, mask=kk < K, other=0, cache_modifier=".cg"))
-    w0, w1, w2, w3, w4, w5, w6, w7 = _split8(tl.load(rw_row + kk, mask=kk < K, other=0.0, cache_modifier=".cg"))
-    acc = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, ROWS_PAD)
-    for t in tl.range(0, (K + 1) * S, num_stages=NUM_STAGES):
-        j = t // S
-        k = _mult16((t - j * S) * 128)
-        routed = j < K
-        e = tl.minimum(tl.maximum(_pick8(j, i0, i1, i2, i3, i4, i5, i6, i7), 0), E - 1).to(tl.int64)
-        wj = tl.where(routed, _pick8(j, w0, w1, w2, w3, w4, w5, w6, w7), 1.0)
-        wb = tl.where(routed, w_d + e * H * I, wd_s)
-        xb = tl.where(routed, act_e_row + tl.minimum(j, K - 1) * I, act_s_row)
-        offs_k = k + tl.arange(0, 128)
-        w = tl.load(wb + offs_n[:, None].to(tl.int64) * I + offs_k[None, :], eviction_policy="evict_first")
-        xt = tl.load(xb + offs_k[:, None] + offs_r[None, :] * 0, mask=offs_r[None, :] < 1, other=0.0,
-                     cache_modifier=".cg").to(tl.float32) * wj                   # [128, R]: w_j x, column 0
-        if w.dtype == tl.float8e4nv:
-            sb = tl.where(routed, s_d + e * ((H // 128) * (I // 128)), sd_s)
-            sc = tl.load(sb + (n0 // 128) * (I // 128) + k // 128)
-            part = _dot_x(tl.zeros(acc.shape, dtype=tl.float32), w.to(tl.float16), xt)
-            acc = tl.fma(part, sc, acc)
-        else:
-            acc = _dot_x(acc, w, xt)
-    return acc
 
 
 # ---------------------------------------------------------------------------- standalone test kernels

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..kernels.gemv import gemv_store, gemv_stream, plane_sum
 from ..kernels.mlp import swiglu_clamped
-from ..kernels.moe import (expert_id, moe_down_finish, moe_down_stream, router_finish, router_prefetch, router_select,
+from ..kernels.moe import (expert_id, moe_down_finish, router_finish, router_prefetch, router_select,
                            router_store_partial, router_store_record)
 from .ffn import (B_A, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACTE, M_COEF2, M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R,
                   M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles, act_at, add_cols, f32_at, gemv_tile, i32_at,
@@ -243,16 +243,10 @@ def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, width, tp_ran
                   ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr,
                   NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr):
     """Row rr's MoE output columns [n0, n0 + BLOCK_N): y2 (TP 1) or this rank's xd slot (TP > 1)."""
-    if (I == I_E) & (H % BLOCK_N == 0) & (I % 128 == 0):              # GLM: one shared expert as wide as a routed one
-        acc = moe_down_stream(w_de, s_de, W_d, S_d, act_at(scratch, meta, M_H, ACT_F32) + rr * I,
-                              i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
-                              act_at(scratch, meta, M_ACTE, ACT_F32) + rr * KE * I_E, n0, E, H, I, ROWS_PAD, BLOCK_N,
-                              NUM_STAGES, KE)
-    else:
-        acc = moe_down_finish(None, W_d, S_d, act_at(scratch, meta, M_H, ACT_F32) + rr * I,
-                              i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
-                              act_at(scratch, meta, M_ACTE, ACT_F32) + rr * KE * I_E, w_de, s_de, n0, E, H, I_E, I,
-                              ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, KE)
+    acc = moe_down_finish(None, W_d, S_d, act_at(scratch, meta, M_H, ACT_F32) + rr * I,
+                          i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
+                          act_at(scratch, meta, M_ACTE, ACT_F32) + rr * KE * I_E, w_de, s_de, n0, E, H, I_E, I,
+                          ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, KE)
     if tp_size == 1:
         gemv_store(f32_at(scratch, meta, M_Y2) + rr * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
     else:
