@@ -13,7 +13,7 @@ from glm53_flash.launches.layer_host import DEFAULT_MAXNREG, new_xchg, run_tp
 from glm53_flash.reference import ops
 from glm53_flash.reference.model import ReferenceModel
 from test_launch_dense import (TOL_BF16, check_step, fault_every_site, gpu_layer_check, make_step, poison_scratch,
-                               rank_state, tiny_ref)  # noqa: F401 (fixture)
+                               rank_state, rel, tiny_ref)  # noqa: F401 (fixture)
 
 KDA_LAYER = 4
 
@@ -94,6 +94,34 @@ def test_kda_tp2_simulated(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
     for r in range(2):
         check_step(Ls[r], outs[r], ins[r][1], ins[r][2], tiny_ref, caches, KDA_LAYER, X, TOL_BF16, tp=2, rank=r,
                    label="tp2")
+
+
+def test_kda_grouped_moe_down(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch):
+    """moe_down in expert groups (the real shapes' choice, schedule.py choose_groups: 3 at TP1 and TP8) joined
+    by down_join: the reference at TP1 (2 of 4 rows) and in simulated TP2, its wait site `dp` faulted and
+    clean again, and the same result as the ungrouped launch up to rounding (the sum order differs)."""
+    X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 2, gen)
+    S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
+    ungrouped = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=4).run(X, S.clone(), W.clone(), commit=False)
+    monkeypatch.setattr(KdaLaunch, "down_groups", tiny_cfg.num_experts_per_tok + 1)
+    L = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=4)
+    assert L.kg == 3 and "down_join" in L.schedule.stage_names
+    assert list(L.sites)[-2:] == ["kda.h", "kda.dp"] and list(L.sites) == KdaLaunch.site_names(1, down_groups=3)
+    poison_scratch(L)
+    out = L.run(X, S.clone(), W.clone(), commit=False)
+    assert rel(out, ungrouped) < 1e-5
+    check_step(L, L.run(X, S, W), S, W, tiny_ref, caches, KDA_LAYER, X, TOL_BF16, label="grouped")
+    fault_every_site(L, X, *rank_state(tiny_cfg, caches, KDA_LAYER), KdaLaunch.site_names(1, down_groups=3),
+                     clean_after=("kda.dp",))
+    xchg = new_xchg(tiny_cfg, 2, 2, "cpu")
+    Ls = [KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, tp_rank=r, tp_size=2, width=2, xchg=xchg) for r in range(2)]
+    assert [s.split(".")[1] for s in Ls[0].sites][-3:] == ["h", "dp", "xd"]
+    ins = [(X, *rank_state(tiny_cfg, caches, KDA_LAYER, r, 2)) for r in range(2)]
+    outs = run_tp(Ls, ins)
+    assert torch.equal(outs[0], outs[1])
+    for r in range(2):
+        check_step(Ls[r], outs[r], ins[r][1], ins[r][2], tiny_ref, caches, KDA_LAYER, X, TOL_BF16, tp=2, rank=r,
+                   label="tp2-grouped")
 
 
 def test_kda_fp8_checkpoint(tiny_cfg, tmp_path, gen, one_thread):
@@ -180,12 +208,13 @@ def real_consts(tp=1, moe=False, embed=False, fp8=False, warps=4, maxnreg=DEFAUL
 
 def real_k_splits(c, fp8):
     """KS_IN / KS_GU / KS_E as the launches choose them (schedule.py choose_k_split) for constexprs c."""
-    from glm53_flash.schedule import choose_k_split
+    from glm53_flash.schedule import choose_groups, choose_k_split
     wb = 1 if fp8 else 2
     step = c["BLOCK_N"] * 128
     ks = lambda n, w: choose_k_split(-(-n // c["BLOCK_N"]), c["H"] // 128, step * w)     # noqa: E731
     return dict(KS_IN=ks(c["N_IN"], 2) if "N_IN" in c else 1, KS_GU=ks(c["I"], 2 * wb),
-                KS_E=ks(c["KE"] * c["I_E"], 2 * wb) if c["MOE"] else 1)
+                KS_E=ks(c["KE"] * c["I_E"], 2 * wb) if c["MOE"] else 1,
+                KG=choose_groups(c["H"] // c["BLOCK_N"], c["KE"] + 1, c["BLOCK_N"] * c["I_E"] * wb) if c["MOE"] else 1)
 
 
 def compile_sm90(variants):

@@ -563,7 +563,7 @@ def sm90_spec(nextn=False, tp=1, fp8=False, warps=4, block_t=32):
                 TRACE=False, MOE=True)
     from test_launch_kda import real_k_splits
     ks = real_k_splits(real, fp8)
-    real.update(KS_GU=ks["KS_GU"], KS_E=ks["KS_E"])
+    real.update(KS_GU=ks["KS_GU"], KS_E=ks["KS_E"], KG=ks["KG"])
     del real["MOE"]
     assert set(real) == set(const), set(real) ^ set(const)
     sig.update({n: "constexpr" for n in real})

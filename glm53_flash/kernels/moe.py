@@ -312,6 +312,31 @@ def moe_down_finish(d0, wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, w_d, 
     return y + shared
 
 
+@triton.jit
+def moe_down_group(wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, w_d, s_d, n0, j0, j1, E, H, I, I_s,
+                   ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                   K: tl.constexpr):
+    """One group of moe_down_finish's K + 1 GEMVs: y = sum_{j0 <= j < min(j1, K)} w_j * D_j (in j order), plus
+    the shared expert's S when j1 > K. A launch splits the K + 1 GEMVs of a tile into groups over more
+    CTAs (a TP1 tile is 9 x 512 KB) and joins the groups' partial rows in group order."""
+    y = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
+    j = j0
+    while j < tl.minimum(j1, K):
+        e = expert_id(ids_row, j, E)
+        wj = tl.load(rw_row + j, cache_modifier=".cg")
+        wd = w_d + e * H * I
+        if w_d.dtype.element_ty == tl.float8e4nv:
+            sd = s_d + e * (tl.cdiv(H, 128) * (I // 128))
+        else:
+            sd = wd
+        dj = gemv_stream(wd, sd, act_e_row + j * I, 0, 1, n0, 0, I, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
+        y = y + dj * wj
+        j += 1
+    if j1 > K:
+        y = y + gemv_stream(wd_s, sd_s, act_s_row, 0, 1, n0, 0, I_s, H, I_s, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
+    return y
+
+
 # ---------------------------------------------------------------------------- standalone test kernels
 @triton.jit(do_not_specialize=["rows"])
 def router_partial_kernel(x, stride_x, wr, part, rows, E, H, split_len, ROWS_PAD: tl.constexpr,

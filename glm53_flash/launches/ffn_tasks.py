@@ -13,7 +13,9 @@ Stages (host side: layer_host.py _ffn_graph for dense, kda.py _ffn_graph for the
   act       joins the planes in plane order, clamped SwiGLU, bf16: kind 0 the dense / shared h
             columns (waits hg), kind 1 a row's expert activations act_e (waits xe)           box h
   down      dense down tiles, or moe_down (routed experts in rank order, then the shared one),
-            after h; TP 1: y2 + hc_post -> X_out; TP > 1: xd pairs, then
+            after h; TP 1: y2 + hc_post -> X_out; TP > 1: xd pairs. With KG > 1 (schedule.py
+            choose_groups) moe_down tasks are (tile, expert group) -> dpart planes            box dp
+  down_join (KG > 1) the groups' planes in group order -> y2 + hc_post, or xd; then
   post2     (TP > 1) rank-order sum of xd -> y2, hc_post (NEXTN: X_out = xmid + y2, box z).
 Why split-K with a join stage: a gate|up tile is a 2 x 64-row x 4096 GEMV (1 MB bf16). Whole-K tasks
 gave a TP8 stage of 24 (dense) or 4 (shared expert) tasks, each a chain of 64 serial K steps: one
@@ -25,16 +27,16 @@ import triton.language as tl
 
 from ..kernels.gemv import gemv_store, gemv_stream, plane_sum
 from ..kernels.mlp import swiglu_clamped
-from ..kernels.moe import (expert_id, moe_down_finish, router_finish, router_prefetch, router_select,
+from ..kernels.moe import (expert_id, moe_down_finish, moe_down_group, router_finish, router_prefetch, router_select,
                            router_store_partial, router_store_record)
-from .ffn import (B_A, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACTE, M_COEF2, M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R,
-                  M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles, act_at, add_cols, f32_at, gemv_tile, i32_at,
-                  l2_prefetch_rows, post_cols, signal, waitb)
+from .ffn import (B_A, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACTE, M_COEF2, M_DPART, M_EPART, M_H, M_HPART,
+                  M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles, act_at, add_cols, f32_at,
+                  gemv_tile, i32_at, l2_prefetch_rows, post_cols, signal, waitb)
 from .mixer_kda import xchg_publish
 
 FFN_BASE = tl.constexpr(40)
 FFN_FAMILIES = {"gu": 40, "act": 41, "router": 42, "expert": 43, "down": 44, "moe_down": 45, "post2": 46,
-                "route": 47}
+                "route": 47, "down_join": 48}
 
 
 def with_ffn_families(own: dict) -> dict:
@@ -238,31 +240,40 @@ def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy,
 
 
 @triton.jit(noinline=True)
-def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, width, tp_rank, tp_size, tag, fault_site,
+def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, g, width, tp_rank, tp_size, tag, fault_site,
                   E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, I_E: tl.constexpr, KE: tl.constexpr,
                   ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr,
-                  NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr):
-    """Row rr's MoE output columns [n0, n0 + BLOCK_N): y2 (TP 1) or this rank's xd slot (TP > 1)."""
-    acc = moe_down_finish(None, W_d, S_d, act_at(scratch, meta, M_H, ACT_F32) + rr * I,
-                          i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
-                          act_at(scratch, meta, M_ACTE, ACT_F32) + rr * KE * I_E, w_de, s_de, n0, E, H, I_E, I,
-                          ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, KE)
-    if tp_size == 1:
-        gemv_store(f32_at(scratch, meta, M_Y2) + rr * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
+                  NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr, KG: tl.constexpr):
+    """Row rr's MoE output columns [n0, n0 + BLOCK_N). KG == 1: all K + 1 GEMVs -> y2 (TP 1) or this rank's
+    xd slot (TP > 1). KG > 1: group g's share of them -> partial plane g of dpart (down_join adds them)."""
+    if KG == 1:
+        acc = moe_down_finish(None, W_d, S_d, act_at(scratch, meta, M_H, ACT_F32) + rr * I,
+                              i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
+                              act_at(scratch, meta, M_ACTE, ACT_F32) + rr * KE * I_E, w_de, s_de, n0, E, H, I_E, I,
+                              ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, KE)
+        if tp_size == 1:
+            gemv_store(f32_at(scratch, meta, M_Y2) + rr * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
+        else:
+            xchg_publish(xd + rr * H, acc, n0, 1, width, tp_rank, tp_size, tag, tl.load(meta + M_SITE_XD), fault_site,
+                         H, ROWS_PAD, BLOCK_N)
     else:
-        xchg_publish(xd + rr * H, acc, n0, 1, width, tp_rank, tp_size, tag, tl.load(meta + M_SITE_XD), fault_site, H,
-                     ROWS_PAD, BLOCK_N)
+        PG: tl.constexpr = (KE + 1) // KG
+        acc = moe_down_group(W_d, S_d, act_at(scratch, meta, M_H, ACT_F32) + rr * I,
+                             i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
+                             act_at(scratch, meta, M_ACTE, ACT_F32) + rr * KE * I_E, w_de, s_de, n0, g * PG,
+                             g * PG + PG, E, H, I_E, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, KE)
+        gemv_store(f32_at(scratch, meta, M_DPART) + (g * width + rr) * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
 
 
 @triton.jit(noinline=True)
-def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, rdy,
+def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, a3, rdy,
                   pid, tag, hdr, timeout_ns, fault_site, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                   I_E: tl.constexpr, KE: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr,
-                  NEXTN: tl.constexpr, B_Z: tl.constexpr):
-    """MoE down tiles a0 .. a0 + a1 - 1, row by row (routed experts in rank order, then the shared
-    expert), after the h wait (every activation and the record are in). TP 1: y2, then _post_ffn
-    (producer a2). TP > 1: xd. -> (ok, rdy)."""
+                  NEXTN: tl.constexpr, B_Z: tl.constexpr, KG: tl.constexpr):
+    """MoE down tiles a0 .. a0 + a1 - 1, expert group a3 of KG, row by row (routed experts in rank order,
+    then the shared expert), after the h wait (every activation and the record are in). KG == 1: TP 1 y2,
+    then _post_ffn (producer a2); TP > 1 xd. KG > 1: partial planes, producer a2 of dp. -> (ok, rdy)."""
     l2_prefetch_rows(W_d, a0 * BLOCK_N, H, I, BLOCK_N)                  # shared expert's weights
     ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
     j = 0
@@ -270,9 +281,37 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
         n0 = (a0 + j) * BLOCK_N
         rr = 0
         while rr < rows:
-            _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, width, tp_rank, tp_size, tag, fault_site, E,
-                          H, I, I_E, KE, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32)
+            _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, a3, width, tp_rank, tp_size, tag,
+                          fault_site, E, H, I, I_E, KE, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32, KG)
             rr += 1
+        j += 1
+    if KG == 1:
+        if (ok != 0) & (tp_size == 1):
+            _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN, B_Z)
+    elif ok != 0:
+        signal(scratch, meta, B_DP, a2, tag, fault_site)
+    return ok, rdy
+
+
+@triton.jit(noinline=True)
+def down_join_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, rdy, pid, tag, hdr,
+                   timeout_ns, fault_site, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                   NEXTN: tl.constexpr, B_Z: tl.constexpr, KG: tl.constexpr):
+    """down_join (KG > 1): tiles a0 .. a0 + a1 - 1 of every row = its KG group planes added in group order;
+    TP 1: y2, then _post_ffn (producer a2); TP > 1: this rank's xd slot. -> (ok, rdy)."""
+    ok, rdy = waitb(scratch, meta, B_DP, rdy, pid, tag, hdr, timeout_ns)
+    offs_r = tl.arange(0, ROWS_PAD)
+    j = 0
+    while (j < a1) & (ok != 0):
+        n0 = (a0 + j) * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        m = (offs_n[:, None] < H) & (offs_r[None, :] < rows)
+        acc = plane_sum(f32_at(scratch, meta, M_DPART), offs_r[None, :] * H + offs_n[:, None], m, width * H, KG)
+        if tp_size == 1:
+            gemv_store(f32_at(scratch, meta, M_Y2), H, acc, rows, n0, H, ROWS_PAD, BLOCK_N)
+        else:
+            xchg_publish(xd, acc, n0, rows, width, tp_rank, tp_size, tag, tl.load(meta + M_SITE_XD), fault_site, H,
+                         ROWS_PAD, BLOCK_N)
         j += 1
     if (ok != 0) & (tp_size == 1):
         _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN, B_Z)
@@ -287,7 +326,8 @@ def ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_
              I_E: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr,
              ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr,
              NUM_STAGES: tl.constexpr, BLOCK_E: tl.constexpr, RCK: tl.constexpr, ACT_F32: tl.constexpr,
-             MOE: tl.constexpr, NEXTN: tl.constexpr, B_Z: tl.constexpr, KS_GU: tl.constexpr, KS_E: tl.constexpr):
+             MOE: tl.constexpr, NEXTN: tl.constexpr, B_Z: tl.constexpr, KS_GU: tl.constexpr, KS_E: tl.constexpr,
+             KG: tl.constexpr):
     """Run FFN task `fam` (FFN_FAMILIES) with its args a0 .. a4. -> (ok, rdy)."""
     if fam == 40:                                      # gu: tiles a0 .. a0 + a1 - 1, producer a2, K slice a3
         ok, rdy = gu_task(W_g, S_g, W_u, S_u, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr,
@@ -314,8 +354,11 @@ def ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_
     elif fam == 45:                                    # moe_down: tiles a0 .. a0 + a1 - 1, row by row
         if MOE:
             ok, rdy = moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0,
-                                    a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, E, H, I, I_E, KE, ROWS_PAD,
-                                    BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32, NEXTN, B_Z)
+                                    a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, E, H, I, I_E, KE, ROWS_PAD,
+                                    BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32, NEXTN, B_Z, KG)
+    elif fam == 48:                                    # down_join: tiles a0 .. a0 + a1 - 1, producer a2
+        ok, rdy = down_join_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, rdy, pid, tag,
+                                 hdr, timeout_ns, fault_site, H, ROWS_PAD, BLOCK_N, NEXTN, B_Z, KG)
     elif fam == 46:                                    # post2: rank sum of tiles a0 .., hc_post
         ok = post2_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, pid, tag, hdr, timeout_ns,
                         fault_site, H, ROWS_PAD, BLOCK_N, NEXTN, B_Z)

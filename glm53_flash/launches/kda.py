@@ -19,6 +19,7 @@ import torch
 
 from ..kernels.moe import pack_experts
 from .ffn_tasks import ACT_COLS
+from ..schedule import choose_groups
 from .layer_host import KdaLayerLaunch
 
 RCK = 32            # router K step (kernels/moe.py ROUTER_CK)
@@ -31,11 +32,13 @@ class KdaLaunch(KdaLayerLaunch):
     .run(X, kda_state, conv_window, *, inject_fault=None) -> X' (see KdaLayerLaunch)."""
 
     kind = "kda"
+    down_groups: int | None = None          # moe_down expert groups; None: schedule.py choose_groups (tests pin it)
 
     @classmethod
-    def site_names(cls, tp_size: int = 1, block_v_split: bool = False) -> list[str]:
+    def site_names(cls, tp_size: int = 1, block_v_split: bool = False, down_groups: int = 1) -> list[str]:
         s = ["hp1", "a_in", "yin"] + (["oraw"] if block_v_split else []) + ["o"]
-        s += (["xo"] if tp_size > 1 else []) + ["hp2", "a", "rl", "hg", "sel", "xe", "h"] + (["xd"] if tp_size > 1 else [])
+        s += (["xo"] if tp_size > 1 else []) + ["hp2", "a", "rl", "hg", "sel", "xe", "h"]
+        s += (["dp"] if down_groups > 1 else []) + (["xd"] if tp_size > 1 else [])
         return [f"kda.{n}" for n in s]
 
     def _ffn_names(self, p: str) -> list[str]:
@@ -83,6 +86,11 @@ class KdaLaunch(KdaLayerLaunch):
         # count of a single row, so every width gets the same split and the same bits)
         self.ks_gu = self.k_split_for(self.I, self.H, 2 * self.W_g.element_size())
         self.ks_e = self.k_split_for(self.KE * self.I_E, self.H, 2 * self.w_gu.element_size())
+        # moe_down: each tile's KE + 1 expert GEMVs in groups over more CTAs, joined in down_join
+        self.kg = self.down_groups or choose_groups(-(-self.H // self.block_n), self.KE + 1,
+                                                     self.block_n * self.I_E * self.w_de.element_size())
+        if (self.KE + 1) % self.kg:
+            raise ValueError(f"{self.kind}: down_groups={self.kg} must divide the {self.KE + 1} expert GEMVs of a tile")
 
     def _ffn_graph(self, g, wb: int) -> None:
         H, tp, BN, W = self.H, self.tp_size, self.block_n, self.width
@@ -123,10 +131,18 @@ class KdaLaunch(KdaLayerLaunch):
         self.n_box["h"] = prod
         g.stage("down")
         row_bytes = W * (self.KE * self.I_E * wbe + self.I * wb)
-        if tp == 1:
-            self._gemv_stage(g, "moe_down", H, row_bytes, ("h",), (), None)
+        if self.kg > 1:
+            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("h",), ("dp",), "dp", ret_ranges=True,
+                                      k_split=self.kg)
+            g.stage("down_join")
+            for s, (t0, n) in enumerate(ranges):
+                g.add("down_join", (t0, n, s), reads=("dp",), writes=("xd",) if tp > 1 else (),
+                      nbytes=self.kg * W * n * BN * 4)
+        elif tp == 1:
+            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("h",), (), None, ret_ranges=True)
         else:
             ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("h",), ("xd",), None, ret_ranges=True)
+        if tp > 1:
             self._peers(g, "peer_d", ranges, "xd")
             g.stage("down_sum")
             for (t0, n) in ranges:

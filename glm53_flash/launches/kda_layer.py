@@ -150,7 +150,7 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                      ROWS_PAD: tl.constexpr, EMBED: tl.constexpr, ACT_F32: tl.constexpr, MOE: tl.constexpr,
                      E: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
                      RENORM: tl.constexpr, BLOCK_E: tl.constexpr, RCK: tl.constexpr, TRACE: tl.constexpr,
-                     KS_IN: tl.constexpr, KS_GU: tl.constexpr, KS_E: tl.constexpr):
+                     KS_IN: tl.constexpr, KS_GU: tl.constexpr, KS_E: tl.constexpr, KG: tl.constexpr):
     pid = tl.program_id(0)
     # Region pointers are formed inside each family from the meta words (cheap cached loads), never
     # hoisted here: ~25 pointers live across the task loop cost ~50 registers in every family.
@@ -207,7 +207,7 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                                    meta, rows, width, tp_rank, tp_size, X_out, xd, W_g, S_g, W_u, S_u, W_d, S_d, W_r,
                                    bias_r, w_gu, s_gu, w_de, s_de, swiglu_limit, scaling, H, I, E, KE, I_E, E_PAD,
                                    K_PAD, RENORM, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, BLOCK_E, RCK, ACT_F32,
-                                   MOE, False, 0, KS_GU, KS_E)
+                                   MOE, False, 0, KS_GU, KS_E, KG)
             if TRACE:
                 trace_store(trace, i, t_task, i)
         i += 1

@@ -208,7 +208,7 @@ class KdaLayerLaunch(Launch):
 
     def _no_moe(self) -> None:
         """Dense FFN: the MoE arguments are placeholders the kernel never reads (MOE=False)."""
-        self.moe, self.E, self.KE, self.I_E, self.nrpart, self.ks_e = False, 1, 1, 1, 1, 1
+        self.moe, self.E, self.KE, self.I_E, self.nrpart, self.ks_e, self.kg = False, 1, 1, 1, 1, 1, 1
         self.W_r = self.bias_r = self.fn1
         self.w_gu = self.s_gu = self.w_de = self.s_de = self.W_g
 
@@ -385,6 +385,7 @@ class KdaLayerLaunch(Launch):
         pl.rows("act_e", (W, self.KE, self.I_E), bf)
         pl.rows("hpart", (self.ks_gu, W, 2, self.I), f32)                       # gate|up K-slice planes
         pl.rows("epart", (self.ks_e, W, self.KE, 2, self.I_E), f32)
+        pl.rows("dpart", (self.kg, W, H), f32)                                  # moe_down expert-group planes
 
     def _plan_boxes(self, pl: Planner) -> None:
         for b in self.META_LAYOUT[0]:
@@ -431,7 +432,7 @@ class KdaLayerLaunch(Launch):
                      ACT_F32=self.act_dtype == "float32", MOE=self.moe, E=self.E, KE=self.KE, I_E=self.I_E,
                      E_PAD=triton.next_power_of_2(self.E), K_PAD=triton.next_power_of_2(self.KE),
                      RENORM=bool(cfg.norm_topk_prob), BLOCK_E=16, RCK=32, KS_IN=self.ks_in, KS_GU=self.ks_gu,
-                     KS_E=self.ks_e)
+                     KS_E=self.ks_e, KG=self.kg)
         if self.maxnreg:
             const["maxnreg"] = self.maxnreg       # a compile option (ptxas), not a kernel argument
         return args, const

@@ -187,9 +187,10 @@ class SparseLaunch(KdaLaunch):
 
     # ------------------------------------------------------------------ plan
     @classmethod
-    def site_names(cls, tp_size: int = 1, **_) -> list[str]:
+    def site_names(cls, tp_size: int = 1, down_groups: int = 1, **_) -> list[str]:
         s = ["hp1", "a_in", "ya", "qr", "q", "hs0", "hs1", "hs2", "hs3", "idx", "ql", "att", "o"]
-        s += (["xo"] if tp_size > 1 else []) + ["hp2", "a", "rl", "hg", "sel", "xe", "h"] + (["xd"] if tp_size > 1 else [])
+        s += (["xo"] if tp_size > 1 else []) + ["hp2", "a", "rl", "hg", "sel", "xe", "h"]
+        s += (["dp"] if down_groups > 1 else []) + (["xd"] if tp_size > 1 else [])
         return [f"{cls.kind}.{n}" for n in s]
 
     def _mat_stage(self, g, fam, mats, reads, box) -> None:
@@ -340,7 +341,7 @@ class SparseLaunch(KdaLaunch):
                      self.device.type != "cpu" else 64, NORM_BLOCK=256 if self.device.type != "cpu" else 64,
                      E=self.E, KE=self.KE, I_E=self.I_E, E_PAD=triton.next_power_of_2(self.E),
                      K_PAD=triton.next_power_of_2(self.KE), RENORM=bool(cfg.norm_topk_prob), BLOCK_E=16, RCK=32,
-                     NEXTN=self.NEXTN, TRACE=self.trace_args()[1], KS_GU=self.ks_gu, KS_E=self.ks_e)
+                     NEXTN=self.NEXTN, TRACE=self.trace_args()[1], KS_GU=self.ks_gu, KS_E=self.ks_e, KG=self.kg)
         return args, const
 
     # ------------------------------------------------------------------ run

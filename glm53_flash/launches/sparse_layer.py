@@ -80,7 +80,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         NORM_BLOCK: tl.constexpr, E: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr,
                         E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
                         RCK: tl.constexpr, NEXTN: tl.constexpr, TRACE: tl.constexpr, KS_GU: tl.constexpr,
-                        KS_E: tl.constexpr):
+                        KS_E: tl.constexpr, KG: tl.constexpr):
     pid = tl.program_id(0)
     DO: tl.constexpr = NH * DV
     PASSES: tl.constexpr = (32 + BITS - 1) // BITS
@@ -252,7 +252,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                                    meta, rows, width, tp_rank, tp_size, X_out, xd, W_g, S_g, W_u, S_u, W_d, S_d, W_r,
                                    bias_r, w_gu, s_gu, w_de, s_de, swiglu_limit, scaling, H, I, E, KE, I_E, E_PAD,
                                    K_PAD, RENORM, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, BLOCK_E, RCK, ACT_F32,
-                                   True, NEXTN, B_Z, KS_GU, KS_E)
+                                   True, NEXTN, B_Z, KS_GU, KS_E, KG)
             elif fam == 21:                                # eh_in (NextN): row a0, producer a1
                 if NEXTN:
                     if a0 < rows:
