@@ -34,6 +34,9 @@ Device API (all tile sizes constexpr; n0 a multiple of BLOCK_N; k0, k1 multiples
     acc = gemv_finish(w0, w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K,
                       ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)   # [BLOCK_N, ROWS_PAD] fp32
     gemv_store(y_ptr, stride_y, acc, rows, n0, N, ROWS_PAD, BLOCK_N)   # y[r, n0 + j] = acc[j, r]
+The persistent launches use instead (no prefetched chunk; the tile's first lines go to L2 before the wait):
+    acc = gemv_stream(w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
+    v   = plane_sum(ptr, offs, mask, plane_stride, KS)     # a split-K stage's KS partial planes, in plane order
 acc is column-major on purpose (acc[j, r] = y[r, n0 + j]): it is the MMA's own layout, no shuffle.
 Both device functions take an optional trailing KSPLIT (1 or 2, the same for both): the K range runs as
 two parts batched in one MMA (more warps per tile), added at the end; and then EVEN (default False):

@@ -1,15 +1,17 @@
 """The `kda` launch: a KDA layer with the MoE FFN (31 of the 45 layers of GLM-5.3-Flash).
 
-The mixer half is the shared KDA layer launch (launches/kda_layer.py, layer_host.py). The FFN half:
-  moe_route  [waits a] router partial tiles (BLOCK_E experts x one K range, fp32 logits), and the
-             shared expert's gate|up tiles (the dense gate|up task on its weights) -> h
-  experts    [waits rl] static slots (row, rank j, intermediate tile): each joins the row's logit
-             partials and selects the top-k itself (the same code and inputs in every slot: the
-             same bits), streams the chosen expert's gate|up tile -> act_e; slot (r, 0, 0) writes
-             the row's record (ids, weights) for the down tasks
-  down       [waits h, xe] per row: the k experts' down tiles in rank order times their weights,
-             then the shared expert's (its first chunk prefetched before the waits); TP 1: hc_post
-             -> X_out; TP > 1: tagged pairs to every rank, rank-order sum in down_sum.
+The mixer half is the shared KDA layer launch (launches/kda_layer.py, layer_host.py). The FFN half
+(device side: launches/ffn_tasks.py):
+  moe_route  [waits a] router partial tiles (BLOCK_E experts x one of ROUTER_PARTS K ranges, fp32
+             logits) -> rl, and the shared expert's gate|up K slices -> hpart planes (hg)
+  route      [waits rl] one task per row: the row's top-k -> its record (ids, weights) (sel); the
+             shared expert's act tasks ride here ([waits hg] -> h)
+  experts    [waits sel] static slots (row, rank j, intermediate tile, K slice): the chosen expert's
+             gate|up slice -> epart planes (xe)
+  act        [waits xe] the expert planes joined, clamped SwiGLU -> act_e (h)
+  down       [waits h] per row: the k experts' down tiles in rank order times their weights, then the
+             shared expert's; in KG expert groups (dp) joined by down_join; TP 1: hc_post -> X_out;
+             TP > 1: tagged pairs to every rank, rank-order sum in down_sum.
 Expert weights are packed once at build into banks (kernels/moe.py pack_experts): w_gu [E, 2I, H],
 w_d [E, H, I] (+ FP8 scales), this rank's intermediate shard.
 """
