@@ -281,16 +281,24 @@ def _finish_one(w0, w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K, ROWS_
     """gemv_finish for one K part: the prefetched chunk, then a pipelined loop over [k0 + PF_K, k1)."""
     acc = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
     acc = _chunk(acc, w0, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K, ROWS_PAD, PF_K, EVEN)
+    return _steps(acc, w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0 + PF_K, k1, N, K, ROWS_PAD, BLOCK_N, BLOCK_K,
+                  NUM_STAGES, CK, EVEN)
+
+
+@triton.jit
+def _steps(acc, w_ptr, s_ptr, x_ptr, stride_x, rows, n0, ks, k1, N, K, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, CK: tl.constexpr, EVEN: tl.constexpr):
+    """acc += the pipelined BLOCK_K steps of [ks, k1), CK-wide chunks in K order."""
     if _interpreting():
         # the interpreter's program ids are 1-element arrays that `range` rejects; a while loop is fine
-        k = k0 + PF_K
+        k = ks
         while k < k1:
             for j in tl.static_range(BLOCK_K // CK):
                 w = _load_w(w_ptr, n0, k + j * CK, k1, N, K, BLOCK_N, CK, EVEN)
                 acc = _chunk(acc, w, s_ptr, x_ptr, stride_x, rows, n0, k + j * CK, k1, N, K, ROWS_PAD, CK, EVEN)
             k += BLOCK_K
     else:
-        for k in tl.range(k0 + PF_K, k1, BLOCK_K, num_stages=NUM_STAGES):
+        for k in tl.range(ks, k1, BLOCK_K, num_stages=NUM_STAGES):
             for j in tl.static_range(BLOCK_K // CK):
                 w = _load_w(w_ptr, n0, k + j * CK, k1, N, K, BLOCK_N, CK, EVEN)
                 acc = _chunk(acc, w, s_ptr, x_ptr, stride_x, rows, n0, k + j * CK, k1, N, K, ROWS_PAD, CK, EVEN)
@@ -322,20 +330,8 @@ def gemv_stream(w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K, ROWS_PAD:
     through launches/ffn.py region_off, or x falls back to scalar loads outside the pipeline).
     Stages hold (BLOCK_N + ROWS_PAD) * min(BLOCK_K, 128) * 2 bytes each (bf16): 18 KB at 64 x 128."""
     CK: tl.constexpr = 128 if BLOCK_K > 128 else BLOCK_K
-    acc = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
-    if _interpreting():
-        k = k0
-        while k < k1:
-            for j in tl.static_range(BLOCK_K // CK):
-                w = _load_w(w_ptr, n0, k + j * CK, k1, N, K, BLOCK_N, CK, EVEN)
-                acc = _chunk(acc, w, s_ptr, x_ptr, stride_x, rows, n0, k + j * CK, k1, N, K, ROWS_PAD, CK, EVEN)
-            k += BLOCK_K
-    else:
-        for k in tl.range(k0, k1, BLOCK_K, num_stages=NUM_STAGES):
-            for j in tl.static_range(BLOCK_K // CK):
-                w = _load_w(w_ptr, n0, k + j * CK, k1, N, K, BLOCK_N, CK, EVEN)
-                acc = _chunk(acc, w, s_ptr, x_ptr, stride_x, rows, n0, k + j * CK, k1, N, K, ROWS_PAD, CK, EVEN)
-    return acc
+    return _steps(tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32), w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N,
+                  K, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, CK, EVEN)
 
 
 @triton.jit

@@ -211,6 +211,15 @@ def _rownorm(a, b, c, d, hc_eps):
 
 
 @triton.jit
+def _softmax4(a, b, c, d, hc_eps):
+    """softmax of 4 scalars, + eps each (the reference's row softmax + eps)."""
+    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
+    z = a + b + c + d
+    return a / z + hc_eps, b / z + hc_eps, c / z + hc_eps, d / z + hc_eps
+
+
+@triton.jit
 def _sinkhorn(logits, hc_eps, ITERS: tl.constexpr):
     """comb [4, 4] from the logits, ordered exactly as reference/ops.py hc_coeffs: row softmax + eps, one
     column normalisation, then ITERS - 1 (rows, columns) rounds, eps in every denominator.
@@ -227,22 +236,10 @@ def _sinkhorn(logits, hc_eps, ITERS: tl.constexpr):
     c01, c11, c21, c31 = _split4(oe)
     c03, c13, c23, c33 = _split4(oo)
     # row softmax + eps
-    m = tl.maximum(tl.maximum(c00, c01), tl.maximum(c02, c03))
-    c00, c01, c02, c03 = tl.exp(c00 - m), tl.exp(c01 - m), tl.exp(c02 - m), tl.exp(c03 - m)
-    z = c00 + c01 + c02 + c03
-    c00, c01, c02, c03 = c00 / z + hc_eps, c01 / z + hc_eps, c02 / z + hc_eps, c03 / z + hc_eps
-    m = tl.maximum(tl.maximum(c10, c11), tl.maximum(c12, c13))
-    c10, c11, c12, c13 = tl.exp(c10 - m), tl.exp(c11 - m), tl.exp(c12 - m), tl.exp(c13 - m)
-    z = c10 + c11 + c12 + c13
-    c10, c11, c12, c13 = c10 / z + hc_eps, c11 / z + hc_eps, c12 / z + hc_eps, c13 / z + hc_eps
-    m = tl.maximum(tl.maximum(c20, c21), tl.maximum(c22, c23))
-    c20, c21, c22, c23 = tl.exp(c20 - m), tl.exp(c21 - m), tl.exp(c22 - m), tl.exp(c23 - m)
-    z = c20 + c21 + c22 + c23
-    c20, c21, c22, c23 = c20 / z + hc_eps, c21 / z + hc_eps, c22 / z + hc_eps, c23 / z + hc_eps
-    m = tl.maximum(tl.maximum(c30, c31), tl.maximum(c32, c33))
-    c30, c31, c32, c33 = tl.exp(c30 - m), tl.exp(c31 - m), tl.exp(c32 - m), tl.exp(c33 - m)
-    z = c30 + c31 + c32 + c33
-    c30, c31, c32, c33 = c30 / z + hc_eps, c31 / z + hc_eps, c32 / z + hc_eps, c33 / z + hc_eps
+    c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, hc_eps)
+    c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, hc_eps)
+    c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, hc_eps)
+    c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, hc_eps)
     # columns
     c00, c10, c20, c30 = _rownorm(c00, c10, c20, c30, hc_eps)
     c01, c11, c21, c31 = _rownorm(c01, c11, c21, c31, hc_eps)

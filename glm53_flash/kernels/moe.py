@@ -302,14 +302,20 @@ def moe_down_finish(d0, wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, w_d, 
         else:
             e, wj = pick(ids_sel, w_sel, j, K_PAD)
             e = tl.minimum(e, E - 1)
-        wd = w_d + e * H * I
-        if w_d.dtype.element_ty == tl.float8e4nv:
-            sd = s_d + e * (tl.cdiv(H, 128) * (I // 128))
-        else:
-            sd = wd
-        dj = gemv_stream(wd, sd, act_e_row + j * I, 0, 1, n0, 0, I, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
-        y = y + dj * wj
+        y = y + _expert_down(e, wj, w_d, s_d, act_e_row + j * I, n0, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
     return y + shared
+
+
+@triton.jit
+def _expert_down(e, wj, w_d, s_d, act, n0, H, I, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """wj * (act @ Wd_e[n0 : n0 + BLOCK_N]^T): one routed expert's down tile (w_d packed [E, H, I])."""
+    wd = w_d + e * H * I
+    if w_d.dtype.element_ty == tl.float8e4nv:
+        sd = s_d + e * (tl.cdiv(H, 128) * (I // 128))
+    else:
+        sd = wd
+    return gemv_stream(wd, sd, act, 0, 1, n0, 0, I, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES) * wj
 
 
 @triton.jit
@@ -322,15 +328,8 @@ def moe_down_group(wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, w_d, s_d, 
     y = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
     j = j0
     while j < tl.minimum(j1, K):
-        e = expert_id(ids_row, j, E)
-        wj = tl.load(rw_row + j, cache_modifier=".cg")
-        wd = w_d + e * H * I
-        if w_d.dtype.element_ty == tl.float8e4nv:
-            sd = s_d + e * (tl.cdiv(H, 128) * (I // 128))
-        else:
-            sd = wd
-        dj = gemv_stream(wd, sd, act_e_row + j * I, 0, 1, n0, 0, I, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
-        y = y + dj * wj
+        y = y + _expert_down(expert_id(ids_row, j, E), tl.load(rw_row + j, cache_modifier=".cg"), w_d, s_d,
+                             act_e_row + j * I, n0, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
         j += 1
     if j1 > K:
         y = y + gemv_stream(wd_s, sd_s, act_s_row, 0, 1, n0, 0, I_s, H, I_s, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
