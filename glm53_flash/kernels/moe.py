@@ -41,8 +41,8 @@ tensor arguments, so raw addresses in a table would be wrong there). Ids are cla
 Router numerics: x (bf16/fp32) times fp32 weights. Compiled with bf16 x: W split into three bf16 parts
 (hi + mid + lo = all 24 mantissa bits), three bf16 MMAs with exact products and fp32 accumulation;
 with fp32 x a tl.dot with input_precision "tf32x3" (~fp32 products; plain tf32 would round the
-weights to 10 bits and flip near-tied choices); under the interpreter a per-element fp32 product sum. Either way each logit is computed on its own, in a
-fixed K order: deterministic and batch invariant.
+weights to 10 bits and flip near-tied choices); under the interpreter a per-element fp32 product sum.
+Either way each logit is computed on its own, in a fixed K order: deterministic and batch invariant.
 
 Layouts (row-major): x [rows, H]; wr [E, H] fp32; bias [E] fp32; part [n_parts, rows, E] fp32;
 ids [rows, K] int32, rw [rows, K] fp32; act_e [rows, K, I]; act_s [rows, I_s]; y [rows, H] fp32.
@@ -289,11 +289,8 @@ def moe_down_finish(d0, wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, w_d, 
     (bf16/fp32); w_d packed [E, H, I], s_d its FP8 scales [E, ceil(H/128), I/128] (pass w_d for bf16);
     sd_s: wd_s's scales (pass wd_s for bf16). ids_row / rw_row: the row's record; or, when the task ran
     router_select itself, its (ids, w) as ids_sel / w_sel ([K_PAD]; the record pointers are then unused)."""
-    if d0 is None:          # the launches: one pipelined loop (kernels/gemv.py gemv_stream), same bits
-        shared = gemv_stream(wd_s, sd_s, act_s_row, 0, 1, n0, 0, I_s, H, I_s, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
-    else:
-        shared = gemv_finish(d0, wd_s, sd_s, act_s_row, 0, 1, n0, 0, I_s, H, I_s,
-                             ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
+    shared = gemv_finish(d0, wd_s, sd_s, act_s_row, 0, 1, n0, 0, I_s, H, I_s,
+                         ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
     y = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
     for j in range(K):
         if ids_sel is None:
@@ -322,9 +319,10 @@ def _expert_down(e, wj, w_d, s_d, act, n0, H, I, ROWS_PAD: tl.constexpr, BLOCK_N
 def moe_down_group(wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, w_d, s_d, n0, j0, j1, E, H, I, I_s,
                    ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                    K: tl.constexpr):
-    """One group of moe_down_finish's K + 1 GEMVs: y = sum_{j0 <= j < min(j1, K)} w_j * D_j (in j order), plus
-    the shared expert's S when j1 > K. A launch splits the K + 1 GEMVs of a tile into groups over more
-    CTAs (a TP1 tile is 9 x 512 KB) and joins the groups' partial rows in group order."""
+    """The launches' MoE down tile: a group of moe_down_finish's K + 1 GEMVs (j0 = 0, j1 = K + 1: all of
+    them, in its order), y = sum_{j0 <= j < min(j1, K)} w_j * D_j (in j order), plus the shared expert's S
+    when j1 > K; one gemv_stream loop per GEMV, no prefetched chunk. A launch splits the K + 1 GEMVs of a
+    tile into groups over more CTAs (a TP1 tile is 9 x 512 KB) and joins the groups' rows in group order."""
     y = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
     j = j0
     while j < tl.minimum(j1, K):

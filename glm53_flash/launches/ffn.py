@@ -130,7 +130,8 @@ def gemv_tile(W, S, x, stride_x, n0, k0, k1, rows, width, tp_rank, tp_size, y, s
               PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, XCHG: tl.constexpr):
     """One GEMV tile y[r, n0:n0 + BLOCK_N] = W[n0:, k0:k1] @ x[r, k0:k1] (x rows of stride_x, y fp32 rows of
     stride_y; a K slice of a split-K stage writes its own partial plane); XCHG and tp_size > 1: published
-    to every rank's exchange slot instead (xchg_publish). A call, for the same reason as gateup_tile."""
+    to every rank's exchange slot instead (xchg_publish). A call: the tile loop around it keeps no hoisted
+    index tensors of the K loop live."""
     acc = gemv_stream(W, S, x, stride_x, rows, n0, k0, k1, N, K, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
     if XCHG:
         if tp_size == 1:

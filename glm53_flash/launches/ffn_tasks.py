@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..kernels.gemv import gemv_store, gemv_stream, plane_sum
 from ..kernels.mlp import swiglu_clamped
-from ..kernels.moe import (expert_id, moe_down_finish, moe_down_group, router_finish, router_prefetch, router_select,
+from ..kernels.moe import (expert_id, moe_down_group, router_finish, router_prefetch, router_select,
                            router_store_partial, router_store_record)
 from .ffn import (B_A, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACTE, M_COEF2, M_DPART, M_EPART, M_H, M_HPART,
                   M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles, act_at, add_cols, f32_at,
@@ -244,25 +244,21 @@ def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, g, width, tp_
                   E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, I_E: tl.constexpr, KE: tl.constexpr,
                   ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr,
                   NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr, KG: tl.constexpr):
-    """Row rr's MoE output columns [n0, n0 + BLOCK_N). KG == 1: all K + 1 GEMVs -> y2 (TP 1) or this rank's
-    xd slot (TP > 1). KG > 1: group g's share of them -> partial plane g of dpart (down_join adds them)."""
-    if KG == 1:
-        acc = moe_down_finish(None, W_d, S_d, act_at(scratch, meta, M_H, ACT_F32) + rr * I,
-                              i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
-                              act_at(scratch, meta, M_ACTE, ACT_F32) + rr * KE * I_E, w_de, s_de, n0, E, H, I_E, I,
-                              ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, KE)
-        if tp_size == 1:
-            gemv_store(f32_at(scratch, meta, M_Y2) + rr * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
-        else:
-            xchg_publish(xd + rr * H, acc, n0, 1, width, tp_rank, tp_size, tag, tl.load(meta + M_SITE_XD), fault_site,
-                         H, ROWS_PAD, BLOCK_N)
-    else:
-        PG: tl.constexpr = (KE + 1) // KG
-        acc = moe_down_group(W_d, S_d, act_at(scratch, meta, M_H, ACT_F32) + rr * I,
-                             i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
-                             act_at(scratch, meta, M_ACTE, ACT_F32) + rr * KE * I_E, w_de, s_de, n0, g * PG,
-                             g * PG + PG, E, H, I_E, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, KE)
+    """Row rr's MoE output columns [n0, n0 + BLOCK_N) from expert group g of KG (kernels/moe.py
+    moe_down_group; KG == 1: all K + 1 GEMVs, moe_down_finish's sum). KG == 1: y2 (TP 1) or this rank's xd
+    slot (TP > 1); KG > 1: partial plane g of dpart, which down_join adds up."""
+    PG: tl.constexpr = (KE + 1) // KG
+    acc = moe_down_group(W_d, S_d, act_at(scratch, meta, M_H, ACT_F32) + rr * I,
+                         i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
+                         act_at(scratch, meta, M_ACTE, ACT_F32) + rr * KE * I_E, w_de, s_de, n0, g * PG, g * PG + PG,
+                         E, H, I_E, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, KE)
+    if KG > 1:
         gemv_store(f32_at(scratch, meta, M_DPART) + (g * width + rr) * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
+    elif tp_size == 1:
+        gemv_store(f32_at(scratch, meta, M_Y2) + rr * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
+    else:
+        xchg_publish(xd + rr * H, acc, n0, 1, width, tp_rank, tp_size, tag, tl.load(meta + M_SITE_XD), fault_site, H,
+                     ROWS_PAD, BLOCK_N)
 
 
 @triton.jit(noinline=True)
