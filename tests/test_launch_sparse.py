@@ -193,7 +193,8 @@ def test_sparse_tp2_simulated(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread)
     xchg = new_xchg(tiny_cfg, 2, 2, "cpu")
     Ls = [SparseLaunch(tiny_cfg, tiny_weights, LAYER, tp_rank=r, tp_size=2, width=2, xchg=xchg, max_len=MAX_LEN)
           for r in range(2)]
-    assert Ls[0].NHA == 2 and [s.split(".")[1] for s in Ls[0].sites][-9:] == ["xo", "hp2", "a", "rl", "hg", "sel", "xe", "h", "xd"]
+    assert Ls[0].NHA == 2
+    assert [s.split(".")[1] for s in Ls[0].sites][-9:] == ["xo", "hp2", "a", "rl", "hg", "sel", "xe", "h", "xd"]
     cks = [caches.clone() for _ in range(2)]                                 # every rank keeps its own copy
     with pytest.raises(HandoffTimeout, match="'sparse.xo'"):
         run_tp(Ls, [(X, *layer_caches(c, 0), [25, 30]) for c in cks], inject_fault="sparse.xo", fault_rank=1)
