@@ -2,6 +2,7 @@
 # One device call for a performance step (issues 11 / 12), everything under $OUT (<= 8 files):
 #   1. GPU tests of the kinds a change touches (TESTS: ';'-separated "files::-k expr" groups, JOBS at a
 #      time, until A_T seconds) -> tests.log;
+#      STRESS="args": scripts/stress.py (the hand-off protocols under load) after them -> tests.log;
 #   2. in-kernel traces (TRACES="kind:tp[:rows] ...", scripts/diag_layers.py --trace) -> trace.log;
 #   3. time_layers over TIMING (';'-separated scripts/time_matrix.py argument sets) -> timing.jsonl / .log;
 #      BASE=dir (a checkout of the commit before, e.g. `git archive` into .base/) times BASE_TIMING there
@@ -37,6 +38,12 @@ if [ -n "${TESTS:-}" ]; then
   cat $W/group_*.log > "$OUT/tests.log"
   { echo "=== tests done at $(el) s"
     for f in $W/group_*.log; do head -n 1 $f; grep -E "passed|failed|error|rc=" $f | tail -n 3; done; } >> "$S"
+fi
+
+if [ -n "${STRESS:-}" ]; then
+  { echo "### stress.py $STRESS (start $(el) s)"; timeout 150 python3 scripts/stress.py $STRESS 2>&1 | tail -n 5
+    echo "### stress rc=$? at $(el) s"; } >> "$OUT/tests.log"
+  grep "### stress rc" "$OUT/tests.log" >> "$S"
 fi
 
 # 2. traces

@@ -17,9 +17,9 @@ wait that is not satisfied at once can never be: the budget is zero and the erro
 import triton
 import triton.language as tl
 
-from .asm import (fence_acq_rel, globaltimer, in_interpreter, ld_relaxed_u32, ld_relaxed_u64, line_match_bits,
-                  st_relaxed_u32, st_relaxed_u64, tid_x)
-from .header import H_ABORT, H_DONE, H_EPOCH, H_ERR, H_LAST_TAG
+from .asm import (clock64, fence_acq_rel, globaltimer, in_interpreter, ld_relaxed_u32, ld_relaxed_u64,
+                  spin_lines, st_relaxed_u32, st_relaxed_u64)
+from .header import H_ABORT, H_DONE, H_EPOCH, H_ERR, H_LAST_TAG, H_WAIT_CLK
 
 TAG_MASK: tl.constexpr = tl.constexpr(0xFFFFFFFF)
 
@@ -155,15 +155,17 @@ def await_pairs(ptr, mask, tag, hdr, site, cta, budget_ns):
 
     -> (payload int32 tensor (bits; bitcast as needed), ok). ok=0: timed out or the launch aborted."""
     budget_ns = staggered_budget(budget_ns, site)
+    clk = tl.load(hdr + H_WAIT_CLK)                 # before the polls: its round trip overlaps theirs
     w = _load_pairs(ptr, mask)
     pend = mask & ((w & TAG_MASK).to(tl.int32) != tag)
     if not in_interpreter():
         t0 = globaltimer()
         go = tl.max(pend.to(tl.int32), axis=0)
         while go == 1:
+            ab = ld_relaxed_u32(hdr + H_ABORT)      # issued with the pair loads: one round trip per poll cycle
             w = _load_pairs(ptr, mask)
             pend = mask & ((w & TAG_MASK).to(tl.int32) != tag)
-            stop = (ld_relaxed_u32(hdr + H_ABORT) == tag) | ((globaltimer() - t0) > budget_ns)
+            stop = (ab == tag) | ((globaltimer() - t0) > budget_ns)
             # max over (pending | stop << 1): 1 <=> no thread wants to stop and some word is pending
             go = tl.max(pend.to(tl.int32) | (stop.to(tl.int32) * 2), axis=0)
         fence_acq_rel()             # relaxed polls + one fence = acquire for whatever the caller reads next
@@ -174,43 +176,15 @@ def await_pairs(ptr, mask, tag, hdr, site, cta, budget_ns):
         first = tl.min(tl.where(pend, idx, ptr.shape[0]), axis=0)
         seen = tl.sum(tl.where(idx == first, (w & TAG_MASK).to(tl.int32), 0), axis=0)
         record_timeout(hdr, tag, site, cta, tag, seen)
+    else:
+        note_wait_end(hdr, clk, cta)
     return (w >> 32).to(tl.int32), ok
 
 
 @triton.jit
-def _spin_lines(block, n_prod, tag, abort_ptr, budget_ns):
-    # One lane of warp 0 per 128-byte line (lines lane, lane + 32, ...): the lanes' polls go out together,
-    # so a poll cycle costs one round trip however many lines the box has. Thread 0 walking the lines one
-    # after another paid a round trip per line (7-8 for the in_proj and expert boxes, 64 for 2048
-    # producers). Nothing in here may emit bar.sync (no reductions, no scalar atomics, no barrier).
-    t0 = globaltimer()
-    line = tid_x()
-    live = 1
-    while (line * 32 < n_prod) & (live != 0):
-        want = n_prod - line * 32
-        m = tl.where(want >= 32, -1, (1 << tl.minimum(want, 31)) - 1)
-        bits = line_match_bits(block + line * 32, tag)
-        if (bits & m) == m:
-            line += 32
-        else:
-            live = ((ld_relaxed_u32(abort_ptr) != tag) & ((globaltimer() - t0) <= budget_ns)).to(tl.int32)
-    fence_acq_rel()                 # acquire: this lane's relaxed line loads above + this fence
-
-
-@triton.jit
-def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns):
-    """Wait until the first `n_prod` words of block `consumer` of the box carry `tag` -> ok (uniform).
-    `cta` (this CTA's id) only goes into the error record.
-
-    The lanes of warp 0 poll the block's 128-byte lines at once (one line each, relaxed vector loads, a
-    fence per polling lane), then a CTA barrier; the CTA then re-reads the words with L1-bypassing loads
-    to agree on the outcome."""
-    block = box + consumer * block_words
-    budget_ns = staggered_budget(budget_ns, site)
-    if not in_interpreter():
-        if tid_x() < 32:
-            _spin_lines(block, n_prod, tag, hdr + H_ABORT, budget_ns)
-        tl.debug_barrier()          # orders the whole CTA after the polling lanes' acquires
+def _box_check(block, n_prod, tag, hdr, site, cta):
+    """Re-read the first n_prod words of a box block -> ok (uniform); not ok: record the first stale word.
+    The interpreter's whole wait; on the GPU only after a failed spin (abort or timeout)."""
     offs = tl.arange(0, 32)
     nbad = 0
     seen = 0
@@ -234,6 +208,34 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns)
     return ok
 
 
+@triton.jit
+def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns):
+    """Wait until the first `n_prod` words of block `consumer` of the box carry `tag` -> ok (uniform).
+    `cta` (this CTA's id) only goes into the error record.
+
+    The CTA's threads poll the block's 128-byte lines at once (one line each, relaxed vector loads with the
+    abort word in the same round trip, a fence per thread: sync.asm.spin_lines); then one reduction over
+    the threads' outcomes, whose CTA barrier orders every thread after the polls' acquires. Only a failed
+    spin re-reads the words (to record the first stale one): before, every wait re-read them line after
+    line, one L2 round trip per 32 producers (7-9 for the in_proj and expert boxes)."""
+    block = box + consumer * block_words
+    budget_ns = staggered_budget(budget_ns, site)
+    clk = tl.load(hdr + H_WAIT_CLK)                 # before the spin: its round trip overlaps the polls
+    if in_interpreter():
+        ok = _box_check(block, n_prod, tag, hdr, site, cta)
+    else:
+        live = spin_lines(block, n_prod, tag, hdr + H_ABORT, budget_ns)       # per thread
+        # min over one element per thread = the CTA's outcome in every thread, behind the reduction's CTA
+        # barrier (which also orders every thread after the polls' acquires). A bar.red.and.pred does both
+        # in one instruction, but with it ptxas -v showed ~370 B more call-boundary spills in the kernel.
+        ok = tl.min(tl.zeros([tl.extra.cuda.num_threads()], tl.int32) + live, axis=0)
+        if ok == 0:
+            ok = _box_check(block, n_prod, tag, hdr, site, cta)
+    if ok != 0:
+        note_wait_end(hdr, clk, cta)
+    return ok
+
+
 # ---------------------------------------------------------------------- trace (where a launch's time goes)
 @triton.jit
 def trace_clock(i):
@@ -246,7 +248,33 @@ def trace_clock(i):
 
 
 @triton.jit
-def trace_store(trace, row, t_start, i):
-    """Row `row` of the trace buffer [rows, 2] int64: (start, end = now)."""
-    tl.store(trace + 2 * row, t_start)
-    tl.store(trace + 2 * row + 1, trace_clock(i))
+def trace_cycles(i):
+    """This SM's %clock64 (the interpreter: i + 1, as trace_clock)."""
+    if in_interpreter():
+        return (i + 1).to(tl.int64)
+    else:
+        return clock64()
+
+
+@triton.jit
+def note_wait_end(hdr, clk, cta):
+    """Tracing (clk = the header's WAIT_CLK word, loaded before the wait, is not 0): store this CTA's cycle
+    count into its wait-clock slot, which the task's trace row reads at its end."""
+    if clk != 0:
+        tl.store((hdr + clk).to(tl.pointer_type(tl.int64), bitcast=True) + cta, trace_cycles(cta))
+
+
+@triton.jit
+def trace_store(trace, row, t_start, c_start, hdr, pid, i):
+    """Row `row` of the trace buffer [rows, 4] int64: (start ns, end ns, cycles from the start to the end of
+    the task's last wait (0: it waited on nothing), cycles from the start to the end). Cycles are this SM's
+    %clock64 (ns ticks about every microsecond; cycles do not): launches/trace.py converts them with the
+    CTA's own cycles per ns."""
+    t_end = trace_clock(i)
+    c_end = trace_cycles(i)
+    tl.debug_barrier()                              # thread 0's wait-clock store before every thread's load
+    c_wait = tl.load((hdr + tl.load(hdr + H_WAIT_CLK)).to(tl.pointer_type(tl.int64), bitcast=True) + pid)
+    tl.store(trace + 4 * row, t_start)
+    tl.store(trace + 4 * row + 1, t_end)
+    tl.store(trace + 4 * row + 2, tl.maximum(c_wait - c_start, 0))
+    tl.store(trace + 4 * row + 3, c_end - c_start)

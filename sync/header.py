@@ -20,7 +20,9 @@ DONE = 32            # u32: CTAs of the bumping launch that have finished; reset
 ABORT = 64           # u32: tag of the launch that aborted (first writer claims the error record)
 LAST_TAG = 96        # u32: tag of the latest launch (written by CTA 0), for the host's decode
 ERR = 128            # u32[5]: tag, site, cta, wanted, seen (tag written last, with release)
-HEADER_LINES = 5
+WAIT_CLK = 160       # i32: 0, or (tracing) the int32-word offset from the header of an int64 [grid] array where
+                     # every wait stores its CTA's %clock64 when it is satisfied (the trace's wait / work split)
+HEADER_LINES = 6
 HEADER_WORDS = HEADER_LINES * WORDS_PER_LINE
 
 # device-side copies (jit code may only read tl.constexpr globals)
@@ -29,3 +31,4 @@ H_DONE: tl.constexpr = tl.constexpr(DONE)
 H_ABORT: tl.constexpr = tl.constexpr(ABORT)
 H_LAST_TAG: tl.constexpr = tl.constexpr(LAST_TAG)
 H_ERR: tl.constexpr = tl.constexpr(ERR)
+H_WAIT_CLK: tl.constexpr = tl.constexpr(WAIT_CLK)

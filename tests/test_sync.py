@@ -101,21 +101,39 @@ print(json.dumps({"ptx": ck.asm["ptx"]}))
 
 
 def _ptx_blocks(lines: list[str]):
-    """Basic blocks of a PTX listing: (first line, last line) per block and their successor block ids."""
+    """Basic blocks of a PTX listing: (first line, last line) per block and their successor block ids.
+    Labels are scoped by { } (an inline-asm statement's labels are its own, so the same asm may appear
+    many times): a branch goes to its name in the innermost enclosing scope that has it."""
     starts = sorted({0} | {k for k, ln in enumerate(lines) if re.match(r"\s*\$?[\w$]+:", ln)}
                     | {k + 1 for k, ln in enumerate(lines) if re.search(r"\b(bra|ret|exit)\b", ln)})
     starts = [k for k in starts if k < len(lines)]
     blocks = [(a, b - 1) for a, b in zip(starts, starts[1:] + [len(lines)])]
-    label = {m.group(1): n for n, (a, _) in enumerate(blocks)
-             if (m := re.match(r"\s*(\$?[\w$]+):", lines[a]))}
+    block_of = {}
+    for n, (a, b) in enumerate(blocks):
+        for k in range(a, b + 1):
+            block_of[k] = n
+    scopes, stack, nxt, label = [], [0], 1, {}
+    for k, ln in enumerate(lines):                   # scopes[k]: the scope chain at line k, innermost first
+        t = ln.strip()
+        if t.endswith("{") and not t.startswith("//"):
+            stack.append(nxt)
+            nxt += 1
+        scopes.append(tuple(reversed(stack)))
+        if (m := re.match(r"\s*(\$?[\w$]+):", ln)):
+            label[(stack[-1], m.group(1))] = block_of[k]
+        if t.startswith("}") and len(stack) > 1:
+            stack.pop()
     succ = []
     for n, (a, b) in enumerate(blocks):
         out, falls = set(), True
-        for ln in lines[a:b + 1]:
+        for k in range(a, b + 1):
+            ln = lines[k]
             m = re.search(r"\bbra(?:\.uni)?\s+([\w$]+);", ln)
-            if m and m.group(1) in label:
-                out.add(label[m.group(1)])
-                falls = falls and ln.lstrip().startswith("@")            # a predicated branch falls through
+            if m:
+                to = next((label[(sc, m.group(1))] for sc in scopes[k] if (sc, m.group(1)) in label), None)
+                if to is not None:
+                    out.add(to)
+                    falls = falls and ln.lstrip().startswith("@")        # a predicated branch falls through
             if re.search(r"\b(ret|exit);", ln):
                 falls = False
         if falls and n + 1 < len(blocks):
@@ -157,6 +175,10 @@ def test_spin_check_catches_a_barrier():
            "bar.sync 0;\n@%p1 bra $L__spin;\nfence.acq_rel.gpu;\nbar.sync 0;")
     assert spin_regions_without_barrier(ptx) == [3]                     # the barrier inside the loop
     assert spin_regions_without_barrier(ptx.replace("bar.sync 0;\n@%p1", "add.s32 %r2, %r1, 1;\n@%p1")) == []
+    # the same asm statement twice, each with its own TOP label: each loop is resolved inside its own { }
+    asm = "{\nTOP:\nld.relaxed.gpu.global.v4.u32 {%a,%b,%c,%d}, [%rd1];\n@%p1 bra TOP;\n}\n"
+    assert spin_regions_without_barrier(asm + "bar.sync 0;\n" + asm) == []
+    assert spin_regions_without_barrier(asm + "bar.sync 0;\n" + asm.replace("@%p1", "bar.sync 0;\n@%p1")) == [8]
 
 
 def sm90_ptx(script: str) -> str:

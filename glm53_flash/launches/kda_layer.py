@@ -47,7 +47,7 @@ of the task loop's scalars). Same loads, sums and orders as before: the bits do 
 import triton
 import triton.language as tl
 
-from sync.device import launch_begin, launch_end, trace_clock, trace_store
+from sync.device import launch_begin, launch_end, trace_clock, trace_cycles, trace_store
 
 from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO, M_XMID, act_at,
                   f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows, meta_layout, oproj_task, peer_task,
@@ -159,6 +159,7 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
     hdr = scratch + tl.load(meta + M_HDR)
     if TRACE:
         t_cta = trace_clock(pid)
+        c_cta = trace_cycles(pid)
     tag, ok = launch_begin(hdr, tag_stride, tag_offset)
     rdy = 0            # bit b: this CTA already passed the wait on box b
     i = tl.load(starts + pid)
@@ -168,6 +169,7 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
         if (st >= stage_lo) & (st < stage_hi):
             if TRACE:                                      # where the launch's time goes
                 t_task = trace_clock(i)
+                c_task = trace_cycles(i)
             if fam == 0:                                   # part: column tiles a0 .. a0 + a1 - 1, producer a2
                 hc_pre_task(_streams(X, scratch, meta, EMBED), fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2,
                             tag, fault_site, H, ROWS_PAD, BLOCK_N, BLOCK_C, EMBED)
@@ -211,8 +213,8 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                                    K_PAD, RENORM, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, BLOCK_E, RCK, ACT_F32,
                                    MOE, False, 0, KS_GU, KS_E, KG)
             if TRACE:
-                trace_store(trace, i, t_task, i)
+                trace_store(trace, i, t_task, c_task, hdr, pid, i)
         i += 1
     if TRACE:                                          # this CTA's whole run: row n_tasks + pid
-        trace_store(trace, tl.load(starts + tl.num_programs(0)) + pid, t_cta, pid)
+        trace_store(trace, tl.load(starts + tl.num_programs(0)) + pid, t_cta, c_cta, hdr, pid, pid)
     launch_end(hdr, bump)

@@ -25,7 +25,7 @@ xmid) instead of hc_post; ln_row 1 (post_attention_layernorm) replaces gate_ffn;
 import triton
 import triton.language as tl
 
-from sync.device import launch_begin, launch_end, trace_clock, trace_store
+from sync.device import launch_begin, launch_end, trace_clock, trace_cycles, trace_store
 
 from ..kernels.indexer import idx_score_pools, topk_hist_pass, topk_write
 from ..kernels.mla import mla_absorb_finish, mla_absorb_prefetch, mla_attend_2pass, mla_join_out, mla_out_prefetch
@@ -88,6 +88,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
     hdr = scratch + tl.load(meta + M_HDR)
     if TRACE:
         t_cta = trace_clock(pid)
+        c_cta = trace_cycles(pid)
     tag, ok = launch_begin(hdr, tag_stride, tag_offset)
     rdy = 0            # bit b: this CTA already passed the wait on box b (one register, not 21)
     i = tl.load(starts + pid)
@@ -97,6 +98,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
         if (st >= stage_lo) & (st < stage_hi):
             if TRACE:                                      # where the launch's time goes
                 t_task = trace_clock(i)
+                c_task = trace_cycles(i)
             if fam == 0:                                   # part: column tiles a0 .. a0 + a1 - 1, producer a2
                 if not NEXTN:
                     hc_pre_task(X, fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2, tag, fault_site, H,
@@ -290,8 +292,8 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         if (ok != 0) & (a0 < rows):
                             rms_row(X_out + a0 * H, shn, n_out + a0 * H, H, eps, NORM_BLOCK)
             if TRACE:
-                trace_store(trace, i, t_task, i)
+                trace_store(trace, i, t_task, c_task, hdr, pid, i)
         i += 1
     if TRACE:                                          # this CTA's whole run: row n_tasks + pid
-        trace_store(trace, tl.load(starts + tl.num_programs(0)) + pid, t_cta, pid)
+        trace_store(trace, tl.load(starts + tl.num_programs(0)) + pid, t_cta, c_cta, hdr, pid, pid)
     launch_end(hdr, bump)

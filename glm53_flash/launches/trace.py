@@ -1,12 +1,14 @@
 """Where a launch's time goes, from its trace (`Launch.enable_trace()`, then one launch).
 
 The kernel records (start, end) %globaltimer ns for every task it ran, in the row of the task table
-the task came from, and for every CTA's whole run. From that this module gives: the launch's span, per
-stage the window its tasks ran in, per family the task durations, and the critical path: from the
-task that ended last, step back each time to whichever finished later, the task before it on its
-CTA or the last producer of a region it waits on, and show the gap before each step (the hand-off's
-latency, or a CTA busy with something else). %globaltimer ticks about every microsecond, so single
-tasks shorter than that read as 0-1 us; spans and paths are what it is for.
+the task came from, and for every CTA's whole run; and per task the SM's %clock64 cycles from its start
+to the end of its last wait and to its end. From that this module gives: the launch's span, per stage
+the window its tasks ran in, per family the task durations split into waiting and own work, and the
+critical path: from the task that ended last, step back each time to whichever finished later, the
+task before it on its CTA or the last producer of a region it waits on, and show the gap before each
+step (the hand-off's latency, or a CTA busy with something else). %globaltimer ticks about every
+microsecond, so starts and ends are good to ~1 us (spans and paths); the wait / work split comes from
+cycles, converted with each CTA's own cycles per ns over its whole run.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ class TaskTime:
     cta: int
     start: int         # ns from the launch's first CTA start
     end: int
+    wait: float = 0.0  # ns from the start to the end of the task's last wait (cycles / the CTA's cycles per ns)
+    work: float = 0.0  # ns from the start to the end, by the same clock (work - wait: the task's own time)
 
 
 def read(L) -> tuple[list[TaskTime], list[tuple[int, int]]]:
@@ -31,18 +35,23 @@ def read(L) -> tuple[list[TaskTime], list[tuple[int, int]]]:
     rows = buf.cpu().tolist()
     n = sum(len(p) for p in L.schedule.programs)
     ctas = rows[n: n + L.grid]
-    starts = [s for s, e in ctas if s >= 0] + [s for s, e in rows[:n] if s >= 0]
+    starts = [r[0] for r in ctas if r[0] >= 0] + [r[0] for r in rows[:n] if r[0] >= 0]
     if not starts:
         raise RuntimeError(f"{L.kind}: the trace is empty (no traced launch ran since enable_trace)")
     t0 = min(starts)
-    out, r = [], 0
+    # cycles per ns of each CTA's SM, over its whole run (~100 us: the 1 us ticks cost ~1 %)
+    per_ns = [r[3] / (r[1] - r[0]) if r[0] >= 0 and r[1] - r[0] > 0 and r[3] > 0 else None for r in ctas]
+    known = sorted(f for f in per_ns if f)
+    default = known[len(known) // 2] if known else 1.0
+    out, k = [], 0
     for c, prog in enumerate(L.schedule.programs):
+        f = per_ns[c] or default
         for tid in prog:
-            s, e = rows[r]
+            s, e, w, d = rows[k]
             if s >= 0 and e >= 0:
-                out.append(TaskTime(tid, c, s - t0, e - t0))
-            r += 1
-    return out, [(s - t0, e - t0) if s >= 0 else (-1, -1) for s, e in ctas]
+                out.append(TaskTime(tid, c, s - t0, e - t0, w / f, d / f))
+            k += 1
+    return out, [(r[0] - t0, r[1] - t0) if r[0] >= 0 else (-1, -1) for r in ctas]
 
 
 def critical_path(L, times: list[TaskTime]) -> list[tuple[TaskTime, str, int]]:
@@ -94,15 +103,18 @@ def report(L, max_path: int = 40) -> str:
         st = [t for t in times if tasks[t.task].stage == s]
         if st:
             lines.append(f"  {name:<18} {len(st):5d}  {us(min(t.start for t in st))}   {us(max(t.end for t in st))}")
-    lines.append("  family             tasks   median us   max us")
+    lines.append("  family             tasks   median us   max us   (by cycles: median wait   median own work   max own)")
     fams = sorted({tasks[t.task].family for t in times}, key=lambda f: L.schedule.families[f])
     for f in fams:
-        d = [t.end - t.start for t in times if tasks[t.task].family == f]
-        lines.append(f"  {f:<18} {len(d):5d}  {us(statistics.median(d))}   {us(max(d))}")
+        ft = [t for t in times if tasks[t.task].family == f]
+        d = [t.end - t.start for t in ft]
+        own = [t.work - t.wait for t in ft]
+        lines.append(f"  {f:<18} {len(d):5d}  {us(statistics.median(d))}   {us(max(d))}   "
+                     f"{us(statistics.median(t.wait for t in ft))}   {us(statistics.median(own))}   {us(max(own))}")
     path = critical_path(L, times)
     lines.append(f"  critical path ({len(path)} tasks; gap = its start minus the end of what it started after):")
     for t, why, gap in path[-max_path:]:
         task = tasks[t.task]
-        lines.append(f"    {us(t.start)} .. {us(t.end)}  gap {us(gap)}  {task.family}{list(task.args)} "
-                     f"(stage {names[task.stage]}, CTA {t.cta}): {why}")
+        lines.append(f"    {us(t.start)} .. {us(t.end)}  gap {us(gap)}  wait {us(t.wait)}  own {us(t.work - t.wait)}  "
+                     f"{task.family}{list(task.args)} (stage {names[task.stage]}, CTA {t.cta}): {why}")
     return "\n".join(lines)
