@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device call for a performance step (issues 11 / 12), everything under $OUT (<= 8 files):
-#   1. GPU tests of the kinds a change touches (TESTS: ';'-separated "files::-k expr" groups, JOBS at a
+#   1. GPU tests of the kinds a change touches (TESTS: ';'-separated "[K=V ...] files::-k expr" groups, JOBS at a
 #      time, until A_T seconds) -> tests.log;
 #      STRESS="args": scripts/stress.py (the hand-off protocols under load) after them -> tests.log;
-#   2. in-kernel traces (TRACES="kind:tp[:rows] ...", scripts/diag_layers.py --trace) -> trace.log;
+#   2. in-kernel traces (TRACES="kind:tp[:rows] ...", scripts/diag_layers.py --trace; TRACE_ENV="K=V ..." extra
+#      environment for them, e.g. GLM53_TRACE_MARKS=1) -> trace.log; HOP="args": scripts/bench_hop.py -> trace.log;
 #   3. time_layers over TIMING (';'-separated scripts/time_matrix.py argument sets) -> timing.jsonl / .log;
 #      BASE=dir (a checkout of the commit before, e.g. `git archive` into .base/) times BASE_TIMING there
-#      too, in the same call, for side-by-side ratios (its records carry "tree": "base");
+#      too, in the same call, for side-by-side ratios (its records carry "tree": "base"); TIMING2 with
+#      TIMING2_ENV="K=V ..." times this tree again under that environment ("tree": "ours2");
 #   4. the engine-style peer (.peer/, fla-core from .whl/; PEER="args" for baseline_layers.py,
 #      PEER_PDL="args" for baseline_pdl.py, empty: skipped) -> its tables in timing.log, peer.jsonl;
 #   then the Triton cache, packed newest first (cat triton_cache.part* > .triton_cache.tgz; carry it).
@@ -29,9 +31,11 @@ if [ -n "${TESTS:-}" ]; then
   for g in "${groups[@]}"; do
     while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
     files=${g%%::*}; expr=${g#*::}; i=$((i + 1))
+    envs=""; paths=""                            # a group may start with K=V words: its environment
+    for w in $files; do case $w in *=*) envs="$envs $w";; *) paths="$paths $w";; esac; done
     ( echo "### [$i] pytest -m gpu $files -k '$expr' (start $(el) s)"
       t=$((A_T - $(el))); [ $t -lt 20 ] && t=20
-      timeout $t python3 -m pytest -q -m gpu -p no:cacheprovider -s --durations=3 $files -k "$expr"
+      timeout $t env $envs python3 -m pytest -q -m gpu -p no:cacheprovider -s --durations=3 $paths -k "$expr"
       echo "### [$i] rc=$? at $(el) s" ) > $W/group_$i.log 2>&1 &
   done
   wait
@@ -51,32 +55,40 @@ for kt in ${TRACES:-}; do
   IFS=: read -r k tp r <<< "$kt"
   [ "$(left)" -lt 60 ] && { echo "trace $kt not started (deadline)" >> "$S"; continue; }
   echo "##### trace $k tp $tp rows ${r:-1}" >> "$OUT/trace.log"
-  timeout 120 python3 scripts/diag_layers.py --kind $k --tp $tp --rows ${r:-1} --pos 8191 --trace 2>&1 \
+  timeout 120 env ${TRACE_ENV:-} python3 scripts/diag_layers.py --kind $k --tp $tp --rows ${r:-1} --pos 8191 --trace 2>&1 \
     | grep -v "task#" >> "$OUT/trace.log"
 done
+if [ -n "${HOP:-}" ]; then
+  { echo "##### bench_hop.py $HOP"; timeout 150 python3 scripts/bench_hop.py $HOP --json-out $W/hop.jsonl 2>&1 | tail -n 40; } \
+    >> "$OUT/trace.log"
+fi
 [ -f "$OUT/trace.log" ] && echo "=== traces done at $(el) s" >> "$S"
 
 # 3. timings (ours, then the base tree's)
-run_matrix() {   # $1 = tree, $2 = jsonl, $3 = ';'-separated sets
+run_matrix() {   # $1 = tree, $2 = jsonl, $3 = ';'-separated sets, $4 = extra environment
   IFS=';' read -ra sets <<< "$3"
   for a in "${sets[@]}"; do
     [ "$(left)" -lt 40 ] && { echo "not started (deadline): $1 $a" >> "$S"; continue; }
     echo "=== [$1] time_matrix $a (start $(el) s)" >> "$OUT/timing.log"
-    ( cd "$1" && PYTHONPATH=. TRITON_CACHE_DIR="$TRITON_CACHE_DIR" timeout $(( $(left) + 30 )) \
+    ( cd "$1" && env ${4:-} PYTHONPATH=. TRITON_CACHE_DIR="$TRITON_CACHE_DIR" timeout $(( $(left) + 30 )) \
         python3 scripts/time_matrix.py $a --json-out "$2" --deadline $(( $(left) - 30 )) ) >> "$OUT/timing.log" 2>&1
     echo "=== rc=$? [$1] time_matrix $a (end $(el) s)" >> "$S"
   done
 }
 [ -n "${TIMING:-}" ] && run_matrix "$PWD" "$W/ours.jsonl" "$TIMING"
+[ -n "${TIMING2:-}" ] && run_matrix "$PWD" "$W/ours2.jsonl" "$TIMING2" "${TIMING2_ENV:-}"
 [ -n "${BASE:-}" ] && [ -n "${BASE_TIMING:-}" ] && run_matrix "$PWD/$BASE" "$W/base.jsonl" "$BASE_TIMING"
 python3 - "$W" "$OUT/timing.jsonl" <<'PY'
 import json, os, sys
 with open(sys.argv[2], "a") as out:
-    for tree in ("ours", "base"):
+    for tree in ("ours", "ours2", "base"):
         f = os.path.join(sys.argv[1], tree + ".jsonl")
         for line in (open(f) if os.path.exists(f) else []):
             if line.strip():
                 out.write(json.dumps({"tree": tree, **json.loads(line)}) + "\n")
+    f = os.path.join(sys.argv[1], "hop.jsonl")
+    for line in (open(f) if os.path.exists(f) else []):
+        out.write(line)
 PY
 [ -f "$OUT/timing.log" ] && grep -E "^(=== \[|!!)|launch tp|torch ops" "$OUT/timing.log" >> "$S"
 

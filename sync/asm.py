@@ -140,6 +140,110 @@ def _spin_lines_ptx() -> str:
 
 SPIN_LINES_PTX: tl.constexpr = tl.constexpr(_spin_lines_ptx())
 
+def _spin_warp0_ptx() -> str:
+    # Warp 0 polls, the other warps return at once (they wait at the caller's barrier). Lane l polls lines
+    # l, l + 32, ... (one at a time, the next once the current one is complete); lane 0 alone loads the
+    # abort word, in the same round trip as the lines; each cycle ends with two warp votes (every lane
+    # past its lines / any lane out of time or aborted), so the warp leaves together and one abort load
+    # per CTA per cycle reaches the abort word's L2 line (every polling thread of every CTA loaded it).
+    # $0 live (out: warp 0 the outcome, others 1) | $1 block | $2 n_prod | $3 tag | $4 abort word | $5 budget
+    w = [f"%vw{i}" for i in range(32)]
+    a = ["{", ".reg .pred %vp<7>;", f".reg .b32 {', '.join(w)};",
+         ".reg .b32 %vtid, %vline, %vfirst, %vab, %vm, %vb, %vwant, %vacc;", ".reg .b64 %vt0, %vt1, %va;",
+         "mov.u32 $0, 1;", "mov.u32 %vtid, %tid.x;",
+         "setp.ge.u32 %vp0, %vtid, 32;",
+         "@%vp0 bra VOTE_OUT;",
+         "mov.u64 %vt0, %globaltimer;", "mov.u32 %vline, %vtid;", "setp.eq.u32 %vp6, %vtid, 0;",
+         "VOTE_TOP:",
+         "mov.u32 %vab, 0;",
+         "@%vp6 ld.relaxed.gpu.global.u32 %vab, [$4];",
+         "shl.b32 %vfirst, %vline, 5;",
+         "setp.ge.s32 %vp1, %vfirst, $2;",
+         "@%vp1 bra VOTE_JOIN;",
+         "mul.wide.u32 %va, %vline, 128;",
+         "add.u64 %va, %va, $1;"]
+    for v in range(8):
+        a.append(f"ld.relaxed.gpu.global.v4.u32 {{{', '.join(w[4 * v: 4 * v + 4])}}}, [%va+{16 * v}];")
+    a += ["sub.s32 %vwant, $2, %vfirst;",
+          "setp.ge.s32 %vp2, %vwant, 32;",
+          "shl.b32 %vm, 1, %vwant;",
+          "sub.u32 %vm, %vm, 1;",
+          "selp.b32 %vm, -1, %vm, %vp2;",
+          "mov.u32 %vacc, 0;"]
+    for i in range(32):
+        a += [f"setp.eq.u32 %vp2, {w[i]}, $3;", f"selp.u32 %vb, {1 << i}, 0, %vp2;", "or.b32 %vacc, %vacc, %vb;"]
+    a += ["and.b32 %vacc, %vacc, %vm;",
+          "setp.eq.u32 %vp2, %vacc, %vm;",
+          "@%vp2 add.u32 %vline, %vline, 32;",        # this line is complete: the lane's next one
+          "VOTE_JOIN:",
+          "shl.b32 %vfirst, %vline, 5;",
+          "setp.ge.s32 %vp1, %vfirst, $2;",
+          "vote.sync.all.pred %vp3, %vp1, 0xffffffff;",
+          "@%vp3 bra VOTE_FENCE;",
+          "setp.eq.u32 %vp4, %vab, $3;",                # lane 0: the launch aborted
+          "mov.u64 %vt1, %globaltimer;",
+          "sub.s64 %vt1, %vt1, %vt0;",
+          "setp.gt.s64 %vp5, %vt1, $5;",                # out of time
+          "or.pred %vp4, %vp4, %vp5;",
+          "vote.sync.any.pred %vp4, %vp4, 0xffffffff;",
+          "@!%vp4 bra VOTE_TOP;",
+          "mov.u32 $0, 0;",
+          "VOTE_FENCE:",
+          "fence.acq_rel.gpu;",
+          "VOTE_OUT:",
+          "}"]
+    return "\n".join(a)
+
+
+SPIN_WARP0_PTX: tl.constexpr = tl.constexpr(_spin_warp0_ptx())
+
+
+@triton.jit
+def spin_lines_warp0(block, n_prod, tag, abort_ptr, budget_ns):
+    """As spin_lines, polled by warp 0 alone (lines lane, lane + 32, ...; lane 0 loads the abort word) with
+    warp votes: warp 0's threads get the outcome, the others 1 at once. No CTA barrier inside."""
+    return tl.inline_asm_elementwise(SPIN_WARP0_PTX, "=r,l,r,r,l,l",
+                                     [block, n_prod, tag, abort_ptr, budget_ns.to(tl.int64)],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+def _signal_warp0_ptx() -> str:
+    # Warp 0: fence.acq_rel (release for every store the CTA made before the caller's barrier), then lane l
+    # stores the tag into word `producer` of consumer blocks l, l + 32, ... The other warps do nothing: one
+    # warp fences instead of all four.
+    # $0 dummy | $1 box | $2 n_cons | $3 block_words | $4 producer | $5 tag
+    return "\n".join([
+        "{", ".reg .pred %gp<2>;", ".reg .b32 %gtid, %gc;", ".reg .b64 %ga, %gs;",
+        "mov.u32 $0, 0;", "mov.u32 %gtid, %tid.x;",
+        "setp.ge.u32 %gp0, %gtid, 32;",
+        "@%gp0 bra SIG_OUT;",
+        "fence.acq_rel.gpu;",
+        "mov.u32 %gc, %gtid;",
+        "SIG_TOP:",
+        "setp.ge.s32 %gp1, %gc, $2;",
+        "@%gp1 bra SIG_OUT;",
+        "mul.wide.s32 %ga, %gc, $3;",
+        "cvt.s64.s32 %gs, $4;",
+        "add.s64 %ga, %ga, %gs;",
+        "shl.b64 %ga, %ga, 2;",
+        "add.s64 %ga, %ga, $1;",
+        "st.relaxed.gpu.global.u32 [%ga], $5;",
+        "add.u32 %gc, %gc, 32;",
+        "bra SIG_TOP;",
+        "SIG_OUT:",
+        "}"])
+
+
+SIGNAL_WARP0_PTX: tl.constexpr = tl.constexpr(_signal_warp0_ptx())
+
+
+@triton.jit
+def signal_warp0(box, n_cons, block_words, producer, tag):
+    """Warp 0 fences, then stores `tag` into word `producer` of every consumer block (lane l: consumers l,
+    l + 32, ...). The caller runs a CTA barrier first, so the other warps' stores come before the fence."""
+    return tl.inline_asm_elementwise(SIGNAL_WARP0_PTX, "=r,l,r,r,r,r", [box, n_cons, block_words, producer, tag],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
 
 @triton.jit
 def spin_lines(block, n_prod, tag, abort_ptr, budget_ns):

@@ -14,14 +14,20 @@ word carries this launch's tag, or until `budget_ns` of %globaltimer pass. On fa
 caller's CTA skips its remaining tasks. Under the interpreter programs run one after another, so a
 wait that is not satisfied at once can never be: the budget is zero and the error is recorded at once.
 """
+import os
+
 import triton
 import triton.language as tl
 
-from .asm import (clock64, fence_acq_rel, globaltimer, in_interpreter, ld_relaxed_u32, ld_relaxed_u64,
-                  spin_lines, st_relaxed_u32, st_relaxed_u64)
+from .asm import (clock64, fence_acq_rel, globaltimer, in_interpreter, ld_relaxed_u32, ld_relaxed_u64, signal_warp0,
+                  spin_lines, spin_lines_warp0, st_relaxed_u32, st_relaxed_u64)
 from .header import H_ABORT, H_DONE, H_EPOCH, H_ERR, H_LAST_TAG, H_WAIT_CLK
 
 TAG_MASK: tl.constexpr = tl.constexpr(0xFFFFFFFF)
+# Which hop (read when this module is imported): "" every thread polls / fences / signals; "warp0" warp 0
+# alone polls (warp votes, one abort-word load per CTA per cycle) and, after the CTA barrier, alone fences
+# and stores the signal words (scripts/bench_hop.py measures both).
+HOP_WARP0: tl.constexpr = tl.constexpr(os.environ.get("GLM53_HOP", "") == "warp0")
 
 
 # ---------------------------------------------------------------------- launch begin / end
@@ -96,12 +102,16 @@ def signal_box(box, n_cons, block_words, producer, tag, site, fault_site, BLOCK:
     released first (plain-row drain). Skipped entirely when `site == fault_site` (fault injection).
     """
     if site != fault_site:
-        release_cta()
-        c = 0
-        while c < n_cons:
-            offs = c + tl.arange(0, BLOCK)
-            store_words(box + offs * block_words + producer, tl.zeros([BLOCK], tl.int32) + tag, offs < n_cons)
-            c += BLOCK
+        if HOP_WARP0 and not in_interpreter():
+            tl.debug_barrier()      # the CTA's stores before warp 0's fence
+            signal_warp0(box, n_cons, block_words, producer, tag)
+        else:
+            release_cta()
+            c = 0
+            while c < n_cons:
+                offs = c + tl.arange(0, BLOCK)
+                store_words(box + offs * block_words + producer, tl.zeros([BLOCK], tl.int32) + tag, offs < n_cons)
+                c += BLOCK
 
 
 @triton.jit
@@ -224,7 +234,10 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns)
     if in_interpreter():
         ok = _box_check(block, n_prod, tag, hdr, site, cta)
     else:
-        live = spin_lines(block, n_prod, tag, hdr + H_ABORT, budget_ns)       # per thread
+        if HOP_WARP0:
+            live = spin_lines_warp0(block, n_prod, tag, hdr + H_ABORT, budget_ns)
+        else:
+            live = spin_lines(block, n_prod, tag, hdr + H_ABORT, budget_ns)   # per thread
         # min over one element per thread = the CTA's outcome in every thread, behind the reduction's CTA
         # barrier (which also orders every thread after the polls' acquires). A bar.red.and.pred does both
         # in one instruction, but with it ptxas -v showed ~370 B more call-boundary spills in the kernel.
@@ -259,22 +272,45 @@ def trace_cycles(i):
 @triton.jit
 def note_wait_end(hdr, clk, cta):
     """Tracing (clk = the header's WAIT_CLK word, loaded before the wait, is not 0): store this CTA's cycle
-    count into its wait-clock slot, which the task's trace row reads at its end."""
+    count into slot 0 of its clock slots, which the task's trace row reads at its end."""
     if clk != 0:
-        tl.store((hdr + clk).to(tl.pointer_type(tl.int64), bitcast=True) + cta, trace_cycles(cta))
+        tl.store((hdr + clk).to(tl.pointer_type(tl.int64), bitcast=True) + CLK_SLOTS * cta, trace_cycles(cta))
+
+
+CLK_SLOTS: tl.constexpr = tl.constexpr(4)    # int64 clock slots per CTA: 0 the last wait's end, 1-3 marks
+# Marks inside a task (trace_mark) are compiled in only with GLM53_TRACE_MARKS=1 in the environment when
+# this module is imported: off, a mark is no code at all (not even the header load).
+TRACE_MARKS: tl.constexpr = tl.constexpr(os.environ.get("GLM53_TRACE_MARKS", "") == "1")
+
+
+@triton.jit
+def trace_mark(hdr, cta, k: tl.constexpr):
+    """Mark k (1-3) of the running task: this CTA's cycle count into its clock slot k, when tracing and
+    TRACE_MARKS (launches/trace.py splits the task's own time at its marks)."""
+    if TRACE_MARKS:
+        tl.debug_barrier()                          # every warp has reached this point
+        clk = tl.load(hdr + H_WAIT_CLK)
+        if clk != 0:
+            tl.store((hdr + clk).to(tl.pointer_type(tl.int64), bitcast=True) + CLK_SLOTS * cta + k,
+                     trace_cycles(cta))
 
 
 @triton.jit
 def trace_store(trace, row, t_start, c_start, hdr, pid, i):
-    """Row `row` of the trace buffer [rows, 4] int64: (start ns, end ns, cycles from the start to the end of
-    the task's last wait (0: it waited on nothing), cycles from the start to the end). Cycles are this SM's
-    %clock64 (ns ticks about every microsecond; cycles do not): launches/trace.py converts them with the
-    CTA's own cycles per ns."""
+    """Row `row` of the trace buffer [rows, 8] int64: (start ns, end ns, then in cycles from the start: the
+    end of the task's last wait (0: it waited on nothing), the end, marks 1-3 (-1: not reached in this
+    task)). Cycles are this SM's %clock64 (ns ticks about every microsecond; cycles do not):
+    launches/trace.py converts them with the CTA's own cycles per ns."""
     t_end = trace_clock(i)
     c_end = trace_cycles(i)
-    tl.debug_barrier()                              # thread 0's wait-clock store before every thread's load
-    c_wait = tl.load((hdr + tl.load(hdr + H_WAIT_CLK)).to(tl.pointer_type(tl.int64), bitcast=True) + pid)
-    tl.store(trace + 4 * row, t_start)
-    tl.store(trace + 4 * row + 1, t_end)
-    tl.store(trace + 4 * row + 2, tl.maximum(c_wait - c_start, 0))
-    tl.store(trace + 4 * row + 3, c_end - c_start)
+    tl.debug_barrier()                              # thread 0's clock-slot stores before every thread's loads
+    slots = (hdr + tl.load(hdr + H_WAIT_CLK)).to(tl.pointer_type(tl.int64), bitcast=True) + CLK_SLOTS * pid
+    c_wait = tl.load(slots)
+    tl.store(trace + 8 * row, t_start)
+    tl.store(trace + 8 * row + 1, t_end)
+    tl.store(trace + 8 * row + 2, tl.maximum(c_wait - c_start, 0))
+    tl.store(trace + 8 * row + 3, c_end - c_start)
+    for k in tl.static_range(1, 4):
+        c = tl.load(slots + k)
+        tl.store(trace + 8 * row + 3 + k, tl.where(c >= c_start, c - c_start, -1))
+    tl.store(trace + 8 * row + 7, 0)

@@ -63,7 +63,8 @@ def test_kda_trace_every_task_same_bits(tiny_cfg, tiny_weights, tiny_ref, gen, o
     L.enable_trace()
     traced = L.run(X, S.clone(), W.clone(), commit=False)
     assert torch.equal(plain, traced)
-    assert bool((L.trace_buf >= 0).all()) and bool((L.trace_buf[:, 0] <= L.trace_buf[:, 1]).all())
+    tb = L.trace_buf
+    assert bool((tb[:, :4] >= 0).all()) and bool((tb[:, 0] <= tb[:, 1]).all()) and bool((tb[:, 4:7] >= -1).all())
     times, ctas = read(L)
     assert sorted(t.task for t in times) == list(range(len(L.schedule.tasks))) and len(ctas) == L.grid
     text = report(L)

@@ -142,40 +142,64 @@ def hc_coeffs(part_ptr, stride_task, n_parts, base_ptr, scale_ptr, H, eps, hc_ep
 
     part_ptr: task 0's slot for this row; task t's at part_ptr + t * stride_task. eps = rms_norm_eps,
     hc_eps = cfg.hc_eps, ITERS = Sinkhorn iterations (20). Returns pre [4], post [4], comb [4, 4]
-    (comb[j, i]: weight of stream j in output stream i), ordered exactly as reference/ops.py
-    hc_coeffs (sigmoid + eps, 2 * sigmoid, row softmax + eps, one column normalisation then ITERS - 1
-    (rows, columns) rounds, eps in every denominator), and rstd = 1 / sqrt(mean(x_in^2) + eps) of the
-    collapsed row from pre^T G pre. Cheap enough to run redundantly in every CTA that needs it.
+    (comb[j, i]: weight of stream j in output stream i), ordered as reference/ops.py hc_coeffs (sigmoid
+    + eps, 2 * sigmoid, row softmax + eps, one column normalisation then ITERS - 1 (rows, columns)
+    rounds, eps in every denominator), and rstd = 1 / sqrt(mean(x_in^2) + eps) of the collapsed row from
+    pre^T G pre. Cheap enough to run redundantly in every CTA that needs it. The three steps
+    (hc_weights, hc_join, hc_derive) are separate so a caller can trace between them.
     """
+    w = hc_weights(base_ptr, scale_ptr)
+    j = hc_join(part_ptr, stride_task, n_parts)
+    return hc_derive(w, j, H, eps, hc_eps, ITERS)
+
+
+@triton.jit
+def hc_weights(base_ptr, scale_ptr):
+    """(scale [3] as scalars, base pre [4], post [4], comb [4, 4]): loaded before the join, so their round
+    trip overlaps the join's (no CTA barrier in between to stop that)."""
     i4 = tl.arange(0, 4)
     ij = i4[:, None] * 4 + i4[None, :]
-    # weights first: their round trip overlaps the join's (no CTA barrier in between to stop that)
-    s0 = tl.load(scale_ptr)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
-    b_pre = tl.load(base_ptr + i4)
-    b_post = tl.load(base_ptr + 4 + i4)
-    b_comb = tl.load(base_ptr + 8 + ij)
+    return (tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2), tl.load(base_ptr + i4),
+            tl.load(base_ptr + 4 + i4), tl.load(base_ptr + 8 + ij))
+
+
+@triton.jit
+def hc_join(part_ptr, stride_task, n_parts):
+    """The joined slots of one row: (pre sums [4], post sums [4], comb sums [4, 4], G [4, 4])."""
+    i4 = tl.arange(0, 4)
+    ij = i4[:, None] * 4 + i4[None, :]
     pre_s = tl.zeros([4], dtype=tl.float32)
     post_s = tl.zeros([4], dtype=tl.float32)
     comb_s = tl.zeros([4, 4], dtype=tl.float32)
     G = tl.zeros([4, 4], dtype=tl.float32)
-    # JOIN_CHUNK slots per load round instead of one (64 dependent L2 round trips at H 4096). The traced
-    # gate tasks took 10-16 us on the H200 before and after this: the join was not their main cost (the
-    # Sinkhorn's CTA-wide reductions were: _sinkhorn). A chunk sums as a tree, chunks in task order
+    # JOIN_CHUNK slots per load round instead of one (64 dependent L2 round trips at H 4096). A chunk sums
+    # as a tree, chunks in task order
     tc = tl.arange(0, JOIN_CHUNK)
     t = 0
     while t < n_parts:
+        # the chunk's four loads go out together, then the four sums: a sum's CTA barrier between them
+        # made each load wait for the previous one's round trip
         m = (t + tc) < n_parts
         p = part_ptr + (t + tc).to(tl.int64) * stride_task
-        pre_s += tl.sum(tl.load(p[:, None] + i4[None, :], mask=m[:, None], other=0.0, cache_modifier=".cg"), axis=0)
-        post_s += tl.sum(tl.load(p[:, None] + 4 + i4[None, :], mask=m[:, None], other=0.0, cache_modifier=".cg"),
-                         axis=0)
-        comb_s += tl.sum(tl.load(p[:, None, None] + 8 + ij[None, :, :], mask=m[:, None, None], other=0.0,
-                                 cache_modifier=".cg"), axis=0)
-        G += tl.sum(tl.load(p[:, None, None] + 24 + ij[None, :, :], mask=m[:, None, None], other=0.0,
-                            cache_modifier=".cg"), axis=0)
+        v_pre = tl.load(p[:, None] + i4[None, :], mask=m[:, None], other=0.0, cache_modifier=".cg")
+        v_post = tl.load(p[:, None] + 4 + i4[None, :], mask=m[:, None], other=0.0, cache_modifier=".cg")
+        m3 = m[:, None, None]
+        v_comb = tl.load(p[:, None, None] + 8 + ij[None, :, :], mask=m3, other=0.0, cache_modifier=".cg")
+        v_g = tl.load(p[:, None, None] + 24 + ij[None, :, :], mask=m3, other=0.0, cache_modifier=".cg")
+        pre_s += tl.sum(v_pre, axis=0)
+        post_s += tl.sum(v_post, axis=0)
+        comb_s += tl.sum(v_comb, axis=0)
+        G += tl.sum(v_g, axis=0)
         t += JOIN_CHUNK
+    return pre_s, post_s, comb_s, G
+
+
+@triton.jit
+def hc_derive(w, j, H, eps, hc_eps, ITERS: tl.constexpr):
+    """(pre, post, comb, rstd) from hc_weights' w and hc_join's j (hc_coeffs)."""
+    s0, s1, s2, b_pre, b_post, b_comb = w
+    pre_s, post_s, comb_s, G = j
+    i4 = tl.arange(0, 4)
     ss = tl.sum(tl.sum(tl.where(i4[:, None] == i4[None, :], G, 0.0), axis=1), axis=0)   # trace(G)
     inv = 1.0 / tl.sqrt(ss / (4 * H) + eps)                    # 1 / rms of the flat 4H row
     pre = tl.sigmoid(pre_s * inv * s0 + b_pre) + hc_eps
@@ -204,10 +228,19 @@ def _join4(t0, t1, t2, t3):
 
 
 @triton.jit
+def _rcp(d):
+    """1 / d as div.full.f32 (MUFU.RCP and a multiply, <= 2 ulp): one per denominator, then products.
+    With IEEE a / d for each of the 16 entries (an RCP, four dependent FMAs and a slow-path check per
+    division) the Sinkhorn's 20 rounds were ~170 instructions each on one dependent chain: the traced
+    gate tasks spent ~12 us of their own time there (H200, kda TP8, 8bea23a)."""
+    return tl.fdiv(1.0, d, ieee_rounding=False)
+
+
+@triton.jit
 def _rownorm(a, b, c, d, hc_eps):
-    """One Sinkhorn normalisation of 4 entries: each over (their sum + eps), as the reference divides."""
-    den = a + b + c + d + hc_eps
-    return a / den, b / den, c / den, d / den
+    """One Sinkhorn normalisation of 4 entries: each over (their sum + eps), as the reference normalises."""
+    r = _rcp(a + b + c + d + hc_eps)
+    return a * r, b * r, c * r, d * r
 
 
 @triton.jit
@@ -215,8 +248,8 @@ def _softmax4(a, b, c, d, hc_eps):
     """softmax of 4 scalars, + eps each (the reference's row softmax + eps)."""
     m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
     a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
-    z = a + b + c + d
-    return a / z + hc_eps, b / z + hc_eps, c / z + hc_eps, d / z + hc_eps
+    r = _rcp(a + b + c + d)
+    return a * r + hc_eps, b * r + hc_eps, c * r + hc_eps, d * r + hc_eps
 
 
 @triton.jit
@@ -226,7 +259,9 @@ def _sinkhorn(logits, hc_eps, ITERS: tl.constexpr):
 
     On 16 scalars held by every thread (_split4 of the rows): as [4, 4] tensors each of the ~40 row / column
     sums was a CTA-wide reduction behind shared-memory barriers, ~3 us of the gate task's critical path
-    (sm_90 SASS: 4 BAR.SYNC per round). Same operations and order, so the same bits."""
+    (sm_90 SASS: 4 BAR.SYNC per round). The reference's order of operations; each normalisation
+    multiplies by one reciprocal of its sum (_rcp) instead of dividing every entry, so the bits differ
+    from the reference's in the last places (tests/test_kernels_mhc.py compares within 1e-5)."""
     i4 = tl.arange(0, 4)
     e, o = tl.split(tl.reshape(logits, [8, 2]))             # row-major entries 0::2 and 1::2
     ee, eo = tl.split(tl.reshape(e, [4, 2]))                # entries 0::4, 2::4

@@ -66,7 +66,7 @@ class Launch:
         self.timeout_s = timeout_s
         self.tag_stride, self.tag_offset, self.bump = tag_stride, tag_offset, bool(bump)
         self._resident: dict = {}
-        self.trace_buf = None             # int64 [table rows + grid, 4] when tracing (enable_trace)
+        self.trace_buf = None             # int64 [table rows + grid, 8] when tracing (enable_trace)
 
     # ------------------------------------------------------------------ subclass hooks
     def build_graph(self) -> sched_mod.TaskGraph:
@@ -90,7 +90,7 @@ class Launch:
         self.sites = SiteRegistry(self.schedule.sites)
         pl = Planner(self.kind)
         pl.header("hdr", HEADER_LINES)
-        pl.rows("wait_clk", (self.grid,), "int64")        # the trace's per-CTA wait clocks (sync/header.py WAIT_CLK)
+        pl.rows("wait_clk", (self.grid, 4), "int64")     # the trace's per-CTA clock slots (sync/header.py WAIT_CLK)
         self.plan_scratch(pl)
         self.layout = pl.build()
         self.scratch = self.layout.alloc(self.device)
@@ -102,13 +102,14 @@ class Launch:
     # ------------------------------------------------------------------ tracing
     def enable_trace(self, on: bool = True) -> None:
         """Kernels that support it (the layer kinds) record for every task, in row = its table row, its
-        (start, end) %globaltimer ns and the %clock64 cycles from its start to the end of its last wait and
-        to its end; every CTA's whole run goes in row n_tasks + pid (launches/trace.py reads them). The
-        waits find the wait-clock slots through the header's WAIT_CLK word, set here (0: off). A different
-        build of the kernel (TRACE is a constexpr): off, the kernel has no trace code."""
+        (start, end) %globaltimer ns and the %clock64 cycles from its start to the end of its last wait, to
+        its end and to its marks (sync.device.trace_mark, GLM53_TRACE_MARKS=1); every CTA's whole run goes
+        in row n_tasks + pid (launches/trace.py reads them). The waits find the per-CTA clock slots through
+        the header's WAIT_CLK word, set here (0: off). A different build of the kernel (TRACE is a
+        constexpr): off, the kernel has no trace code."""
         import torch
         n = int(self.starts[-1]) + self.grid
-        self.trace_buf = torch.full((n, 4), -1, dtype=torch.int64, device=self.device) if on else None
+        self.trace_buf = torch.full((n, 8), -1, dtype=torch.int64, device=self.device) if on else None
         hdr, clk = self.layout["hdr"], self.layout["wait_clk"]
         self.scratch[hdr.offset // 4 + H_WAIT_CLK] = (clk.offset - hdr.offset) // 4 if on else 0
 

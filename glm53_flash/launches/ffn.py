@@ -17,7 +17,7 @@ loop top and stayed live through every GEMV, and every build reached 255 registe
 import triton
 import triton.language as tl
 
-from sync.device import signal_box, wait_box
+from sync.device import signal_box, trace_mark, wait_box
 
 from ..kernels.gemv import gemv_store, gemv_stream
 from ..kernels.mhc import hc_partial_finish, hc_partial_prefetch, hc_post_partial, hc_post_tile
@@ -206,6 +206,7 @@ def hc_pre_task(xs, fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2, tag, 
         hc_partial_finish(w0, fn1, xs, 4 * H, part1 + (a0 + j) * ROWS_PAD * SLOT_W, SLOT_W, rows, c0, c0 + BLOCK_N,
                           H, ROWS_PAD, BLOCK_C)
         j += 1
+    trace_mark(scratch + tl.load(meta + M_HDR), tl.program_id(0), 1)      # the partial slots are stored
     signal(scratch, meta, B_HP1, a2, tag, fault_site)
 
 
@@ -221,14 +222,14 @@ def gate_task(xs, base, scale, ln, scratch, meta, rows, a0, a1, a2, rdy, pid, ta
         if ok != 0:
             gate_row(xs, f32_at(scratch, meta, M_PART2), tl.load(meta + M_NPART2), base, scale, ln,
                      f32_at(scratch, meta, M_COEF2), act_at(scratch, meta, M_A, ACT_F32), a2, rows, a0, a0 == 0, eps,
-                     hc_eps, H, ROWS_PAD, ITERS, GATE_BH)
+                     hc_eps, hdr, pid, H, ROWS_PAD, ITERS, GATE_BH)
             signal(scratch, meta, B_A, a1, tag, fault_site)
     else:
         ok, rdy = waitb(scratch, meta, B_HP1, rdy, pid, tag, hdr, timeout_ns)
         if ok != 0:
             gate_row(xs, f32_at(scratch, meta, M_PART1), tl.load(meta + M_NPART1), base, scale, ln,
                      f32_at(scratch, meta, M_COEF1), act_at(scratch, meta, M_AIN, ACT_F32), a2, rows, a0, a0 == 0, eps,
-                     hc_eps, H, ROWS_PAD, ITERS, GATE_BH)
+                     hc_eps, hdr, pid, H, ROWS_PAD, ITERS, GATE_BH)
             signal(scratch, meta, B_AIN, a1, tag, fault_site)
     return ok, rdy
 
@@ -290,6 +291,7 @@ def post1_task(xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_size, a0, a1
     """o_sum (TP > 1): rank-order sum of the xo tiles a0 .. a0 + a1 - 1 -> y1, then as oproj_task. -> ok."""
     ok = _rank_sum_tiles(xo, f32_at(scratch, meta, M_Y1), a0, a1, rows, width, tp_rank, tp_size, tag, hdr,
                          tl.load(meta + M_SITE_XO), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
+    trace_mark(hdr, pid, 1)                                          # the rank sums are stored
     if ok != 0:
         _post_mixer(xs, fn2, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, ROWS_PAD, BLOCK_N, BLOCK_C, NEXTN)
     return ok

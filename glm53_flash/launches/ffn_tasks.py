@@ -25,6 +25,8 @@ not linear, so the slices join before it, in a small act stage (one hop, ~1-2 us
 import triton
 import triton.language as tl
 
+from sync.device import trace_mark
+
 from ..kernels.gemv import gemv_store, gemv_stream, plane_sum
 from ..kernels.mlp import swiglu_clamped
 from ..kernels.moe import (expert_id, moe_down_group, router_finish, router_prefetch, router_select,
@@ -234,6 +236,7 @@ def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy,
         part = f32_at(scratch, meta, M_EPART) + a3 * width * KE * 2 * I_E + (a0 * KE + a1) * 2 * I_E
         gateup_part_tile(wg, wu, sg, su, act_at(scratch, meta, M_A, ACT_F32) + a0 * H, 0, part, 1, a2 * BLOCK_N,
                          a3 * KL, a3 * KL + KL, I_E, H, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
+    trace_mark(hdr, pid, 1)                                          # the slot's partial tile is stored
     if ok != 0:
         signal(scratch, meta, B_XE, a4, tag, fault_site)
     return ok, rdy

@@ -112,7 +112,7 @@ def _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, on
             S_blk = kda_prefetch(S_in, a0, a1, a2 * BV, NH, DK, DV, BV)
             kda_block(S_blk, a0, a1, a2 * BV, f32_at(scratch, meta, M_YIN), S_out, win_in, win_out, conv_w, A_log,
                       dt_bias, f_b, g_b, onorm_w, act_at(scratch, meta, M_ON, ACT_F32), f32_at(scratch, meta, M_ORAW),
-                      f32_at(scratch, meta, M_SSQ), eps, lower_bound, width * N_IN, D, NH, R, N_IN, DK, DV, BV, KC,
+                      f32_at(scratch, meta, M_SSQ), eps, lower_bound, width * N_IN, hdr, pid, D, NH, R, N_IN, DK, DV, BV, KC,
                       CK, KS)
     if ok != 0:
         if NB == 1:

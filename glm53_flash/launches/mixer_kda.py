@@ -21,11 +21,11 @@ Why these shapes:
 import triton
 import triton.language as tl
 
-from sync.device import await_pairs, publish_pairs
+from sync.device import await_pairs, publish_pairs, trace_mark
 
 from ..kernels.kda import (kda_head_finish, kda_lowrank, kda_norm_apply, kda_norm_block, kda_state_prefetch,
                            kda_store_o)
-from ..kernels.mhc import hc_coeffs, hc_store_coef
+from ..kernels.mhc import hc_derive, hc_join, hc_store_coef, hc_weights
 
 SLOT_W: tl.constexpr = tl.constexpr(40)       # kernels/mhc.py HC_SLOT
 
@@ -49,7 +49,7 @@ def embed_gather(tokens, embed_w, x0, rows, c0, c1, H: tl.constexpr, BLOCK_C: tl
 
 
 @triton.jit
-def gate_row(X, part, n_parts, base, scale, ln_w, coef, a, r, rows, c0, write_coef, eps, hc_eps,
+def gate_row(X, part, n_parts, base, scale, ln_w, coef, a, r, rows, c0, write_coef, eps, hc_eps, hdr, cta,
              H: tl.constexpr, ROWS_PAD: tl.constexpr, ITERS: tl.constexpr, BLOCK_H: tl.constexpr):
     """Gate-row tile [c0, c0 + BLOCK_H) of row r (nothing for a pad row r >= rows): join the hc_pre
     partial slots (task order), run the Sinkhorn, a[r, c] = rms_norm(sum_j pre[j] X[r, j, c]) * ln_w[c];
@@ -61,17 +61,21 @@ def gate_row(X, part, n_parts, base, scale, ln_w, coef, a, r, rows, c0, write_co
         m = offs < H
         lnw = tl.load(ln_w + offs, mask=m, other=0.0).to(tl.float32)
         Xr = tl.load(X + r * 4 * H + i4[:, None] * H + offs[None, :], mask=m[None, :], other=0.0, cache_modifier=".cg")
-        pre, post, comb, rstd = hc_coeffs(part + r * SLOT_W, ROWS_PAD * SLOT_W, n_parts, base, scale, H, eps, hc_eps,
-                                          ITERS)
+        w = hc_weights(base, scale)
+        j = hc_join(part + r * SLOT_W, ROWS_PAD * SLOT_W, n_parts)
+        trace_mark(hdr, cta, 1)                                      # the join's loads are in
+        pre, post, comb, rstd = hc_derive(w, j, H, eps, hc_eps, ITERS)
+        trace_mark(hdr, cta, 2)                                      # the Sinkhorn is done
         if write_coef != 0:
             hc_store_coef(coef + r * 24, pre, post, comb)
         g = tl.sum(pre[:, None] * Xr, axis=0) * rstd * lnw          # hc_gate_tile's operations, in its order
         tl.store(a + r * H + offs, g.to(a.dtype.element_ty), mask=m)
+        trace_mark(hdr, cta, 3)                                      # the row tile is stored
 
 
 @triton.jit
 def kda_block(S_blk, r, h, v0, yin, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w, on,
-              o_raw, ssq, eps, lower_bound, PS, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr,
+              o_raw, ssq, eps, lower_bound, PS, hdr, cta, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr,
               N_IN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
               CK: tl.constexpr, KS: tl.constexpr):
     """One (row, head, value block) of the KDA step, after the inproj wait. S_blk: the prefetched old
@@ -82,14 +86,17 @@ def kda_block(S_blk, r, h, v0, yin, S_out, win_in, win_out, conv_w, A_log, dt_bi
     yr = yin + r * N_IN
     wr = r * (KC - 1) * 3 * D
     fv = kda_lowrank(f_b, yr + 3 * D + NH, h * DK, R, DK, CK, PS, KS)
+    trace_mark(hdr, cta, 1)                                          # the forget gate f is formed
     S_new = S_out + r.to(tl.int64) * NH * DV * DK
     o_blk, ss = kda_head_finish(S_blk, yr, yr + 3 * D, fv, win_in + wr, win_out + wr, conv_w, A_log, dt_bias, S_new,
                                 h, v0, D, lower_bound, DK, DV, BV, KC, PS, KS)
+    trace_mark(hdr, cta, 2)                                          # the delta rule step is done
     if NB == 1:
         gv = kda_lowrank(g_b, yr + 3 * D + NH + R, h * DV + v0, R, BV, CK, PS, KS)
         kda_norm_apply(o_blk, ss, gv, onorm_w, on + r * D, on + r * D, h, v0, eps, DV, BV, False)
     else:
         kda_store_o(o_raw + r * D, ssq + r * NH * NB, o_blk, ss, h, v0, NB, DV, BV)
+    trace_mark(hdr, cta, 3)                                          # o (or the raw block) is stored
 
 
 @triton.jit

@@ -24,6 +24,7 @@ class TaskTime:
     end: int
     wait: float = 0.0  # ns from the start to the end of the task's last wait (cycles / the CTA's cycles per ns)
     work: float = 0.0  # ns from the start to the end, by the same clock (work - wait: the task's own time)
+    marks: tuple = ()  # ns from the start to marks 1-3 (None: not reached; GLM53_TRACE_MARKS builds only)
 
 
 def read(L) -> tuple[list[TaskTime], list[tuple[int, int]]]:
@@ -47,9 +48,10 @@ def read(L) -> tuple[list[TaskTime], list[tuple[int, int]]]:
     for c, prog in enumerate(L.schedule.programs):
         f = per_ns[c] or default
         for tid in prog:
-            s, e, w, d = rows[k]
+            s, e, w, d = rows[k][:4]
             if s >= 0 and e >= 0:
-                out.append(TaskTime(tid, c, s - t0, e - t0, w / f, d / f))
+                out.append(TaskTime(tid, c, s - t0, e - t0, w / f, d / f,
+                                    tuple(m / f if m >= 0 else None for m in rows[k][4:7])))
             k += 1
     return out, [(r[0] - t0, r[1] - t0) if r[0] >= 0 else (-1, -1) for r in ctas]
 
@@ -111,6 +113,22 @@ def report(L, max_path: int = 40) -> str:
         own = [t.work - t.wait for t in ft]
         lines.append(f"  {f:<18} {len(d):5d}  {us(statistics.median(d))}   {us(max(d))}   "
                      f"{us(statistics.median(t.wait for t in ft))}   {us(statistics.median(own))}   {us(max(own))}")
+    marked = [f for f in fams if any(m is not None for t in times if tasks[t.task].family == f for m in t.marks)]
+    if marked:
+        lines.append("  marks (median us of own time from the previous point reached: wait end -> mark 1 -> mark 2 "
+                     "-> mark 3 -> end; - not reached)")
+        for f in marked:
+            ft = [t for t in times if tasks[t.task].family == f]
+            segs = [[] for _ in range(4)]
+            for t in ft:
+                prev = t.wait
+                for k, m in enumerate(t.marks):
+                    if m is not None:
+                        segs[k].append(m - prev)
+                        prev = m
+                segs[3].append(t.work - prev)
+            lines.append(f"  {f:<18} {len(ft):5d}  " + "  ".join(us(statistics.median(d)) if d else "       -"
+                                                             for d in segs))
     path = critical_path(L, times)
     lines.append(f"  critical path ({len(path)} tasks; gap = its start minus the end of what it started after):")
     for t, why, gap in path[-max_path:]:

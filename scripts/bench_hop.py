@@ -1,0 +1,191 @@
+"""Hand-off latency on the GPU: a box ping-pong between two CTAs, per wait / signal variant.
+
+Why: the in-kernel trace (launches/trace.py) shows 2-4 us from a producer task's end to its consumer's
+wait end, and that is ~13 times on the critical path of a layer launch. This measures one hop alone:
+CTA 0 signals CTA `peer` (on another SM), which waits and signals back, n_iter times; per hop = time /
+(2 n_iter). `--pollers` makes every other CTA of the grid poll its own block meanwhile (as in a launch,
+where most CTAs wait on the next stage), so hot lines (the abort word) show up.
+
+Variants (WAIT, SIG):
+  wait 0  the wait of 8bea23a^ (warp-0 lanes poll, the abort word loaded after a stale line, fence, CTA
+          barrier, then the whole CTA re-reads the words line by line)
+  wait 1  sync.device.wait_box of 8bea23a (every thread polls a line, abort word in the same round trip,
+          fence in every thread, one reduction)
+  wait 2  warp 0 polls with warp votes, lane 0 alone loads the abort word, one reduction
+  sig 0   sync.device.signal_box (barrier, fence in every thread, every thread stores)
+  sig 1   barrier, then warp 0 fences and stores (sync.asm.signal_warp0)
+
+Usage (GPU): python scripts/bench_hop.py [--iters 2000] [--words 32,256] [--pollers] [--json-out F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from sync.asm import fence_acq_rel, globaltimer, ld_relaxed_u32, signal_warp0, spin_lines_warp0, tid_x  # noqa: E402
+from sync.device import release_cta, signal_box, staggered_budget, store_words, wait_box  # noqa: E402
+from sync.header import H_ABORT, HEADER_WORDS  # noqa: E402
+
+
+def _line_match_ptx() -> str:
+    # the 8bea23a^ helper: bit i set when word i of a 128-byte line equals the tag
+    a = ["{", ".reg .b32 %lw<32>;", ".reg .b32 %lm, %lb;", ".reg .pred %lq;"]
+    for v in range(8):
+        a.append(f"ld.relaxed.gpu.global.v4.u32 {{{','.join(f'%lw{4 * v + j}' for j in range(4))}}}, [$1+{16 * v}];")
+    a.append("mov.u32 %lm, 0;")
+    for i in range(32):
+        a += [f"setp.eq.u32 %lq, %lw{i}, $2;", f"selp.u32 %lb, {1 << i}, 0, %lq;", "or.b32 %lm, %lm, %lb;"]
+    a += ["mov.u32 $0, %lm;", "}"]
+    return "\n".join(a)
+
+
+LINE_MATCH: tl.constexpr = tl.constexpr(_line_match_ptx())
+
+
+@triton.jit
+def _old_spin(block, n_prod, tag, abort_ptr, budget_ns):
+    t0 = globaltimer()
+    line = tid_x()
+    live = 1
+    while (line * 32 < n_prod) & (live != 0):
+        want = n_prod - line * 32
+        m = tl.where(want >= 32, -1, (1 << tl.minimum(want, 31)) - 1)
+        bits = tl.inline_asm_elementwise(LINE_MATCH, "=r,l,r", [block + line * 32, tag], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+        if (bits & m) == m:
+            line += 32
+        else:
+            live = ((ld_relaxed_u32(abort_ptr) != tag) & ((globaltimer() - t0) <= budget_ns)).to(tl.int32)
+    fence_acq_rel()
+
+
+@triton.jit
+def _old_wait(block, n_prod, tag, hdr, budget_ns):
+    if tid_x() < 32:
+        _old_spin(block, n_prod, tag, hdr + H_ABORT, budget_ns)
+    tl.debug_barrier()
+    offs = tl.arange(0, 32)
+    nbad = 0
+    line = 0
+    while line * 32 < n_prod:
+        m = line * 32 + offs < n_prod
+        w = tl.load(block + line * 32 + offs, mask=m, other=0, cache_modifier=".cg")
+        nbad += tl.sum((m & (w != tag)).to(tl.int32), axis=0)
+        line += 1
+    return (nbad == 0).to(tl.int32)
+
+
+@triton.jit
+def _wait(box, c, block_words, n_prod, tag, hdr, budget_ns, WAIT: tl.constexpr):
+    if WAIT == 0:
+        ok = _old_wait(box + c * block_words, n_prod, tag, hdr, budget_ns)
+    elif WAIT == 1:
+        ok = wait_box(box, c, block_words, n_prod, tag, hdr, 0, c, budget_ns)
+    else:
+        live = spin_lines_warp0(box + c * block_words, n_prod, tag, hdr + H_ABORT, staggered_budget(budget_ns, 0))
+        ok = tl.min(tl.zeros([tl.extra.cuda.num_threads()], tl.int32) + live, axis=0)
+    return ok
+
+
+@triton.jit
+def _signal(box, c, block_words, n_words, tag, SIG: tl.constexpr):
+    """Words 0 .. n_words - 1 of consumer c's block (as n_words producers arriving at once)."""
+    if SIG == 0:
+        release_cta()
+        offs = tl.arange(0, 256)
+        store_words(box + c * block_words + offs, tl.zeros([256], tl.int32) + tag, offs < n_words)
+    else:
+        tl.debug_barrier()
+        # one consumer, n_words "producers": lane l stores words l, l + 32, ... (block_words = 1 per word)
+        signal_warp0(box + c * block_words, n_words, 1, 0, tag)
+
+
+@triton.jit
+def hop_kernel(box, hdr, out, n_iter, n_words, block_words, peer, tag0, budget_ns, POLLERS: tl.constexpr,
+               WAIT: tl.constexpr, SIG: tl.constexpr):
+    pid = tl.program_id(0)
+    ok = 1
+    if pid == 0:
+        t0 = globaltimer()
+        k = 0
+        while (k < n_iter) & (ok != 0):
+            _signal(box, peer, block_words, n_words, tag0 + 2 * k, SIG)
+            ok = _wait(box, 0, block_words, n_words, tag0 + 2 * k + 1, hdr, budget_ns, WAIT)
+            k += 1
+        t1 = globaltimer()
+        if POLLERS:                      # release the pollers: word 0 of every other block
+            nc = tl.num_programs(0)
+            c = 1
+            while c < nc:
+                if c != peer:
+                    _signal(box, c, block_words, 1, tag0 + 2 * n_iter, SIG)
+                c += 1
+        tl.store(out, t1 - t0)
+        tl.store(out + 1, ok)
+    elif pid == peer:
+        k = 0
+        while (k < n_iter) & (ok != 0):
+            ok = _wait(box, peer, block_words, n_words, tag0 + 2 * k, hdr, budget_ns, WAIT)
+            _signal(box, 0, block_words, n_words, tag0 + 2 * k + 1, SIG)
+            k += 1
+        tl.store(out + 2, ok)
+    elif POLLERS:
+        _wait(box, pid, block_words, 1, tag0 + 2 * n_iter, hdr, budget_ns, WAIT)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--words", default="32,256", help="words per hop (producers arriving at once), <= 256")
+    ap.add_argument("--grid", type=int, default=None, help="default 2 CTAs per SM")
+    ap.add_argument("--pollers", default="0,1", help="0: the other CTAs exit; 1: they poll their blocks")
+    ap.add_argument("--variants", default="0:0,1:0,2:0,2:1", help="WAIT:SIG pairs")
+    ap.add_argument("--json-out", default=None)
+    a = ap.parse_args(argv)
+    dev = "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grid = a.grid or 2 * sms
+    peer = sms + 1 if grid > sms + 1 else grid - 1            # another SM than CTA 0's (CTAs fill SMs in order)
+    block_words = 256
+    box = torch.zeros(grid * block_words, dtype=torch.int32, device=dev)
+    hdr = torch.zeros(HEADER_WORDS, dtype=torch.int32, device=dev)
+    out = torch.zeros(4, dtype=torch.int64, device=dev)
+    tag = 1
+    rows = []
+    for pollers in [int(p) for p in a.pollers.split(",")]:
+        for words in [int(w) for w in a.words.split(",")]:
+            for v in a.variants.split(","):
+                wait, sig = (int(x) for x in v.split(":"))
+                res = []
+                for rep in range(4):                     # rep 0 compiles and warms up
+                    hop_kernel[(grid,)](box, hdr, out, a.iters, words, block_words, peer, tag, int(1e9),
+                                        POLLERS=bool(pollers), WAIT=wait, SIG=sig, num_warps=4)
+                    tag += 2 * a.iters + 2
+                    o = out.tolist()
+                    if o[1] != 1 or o[2] != 1:
+                        raise RuntimeError(f"variant {v} words {words}: a wait failed ({o})")
+                    if rep:
+                        res.append(o[0] / (2 * a.iters))
+                res.sort()
+                r = dict(wait=wait, sig=sig, words=words, pollers=pollers, hop_ns=round(res[len(res) // 2], 1),
+                         hop_ns_all=[round(x, 1) for x in res], grid=grid, iters=a.iters)
+                rows.append(r)
+                print(f"wait {wait} sig {sig} words {words:4d} pollers {pollers}: {r['hop_ns']:8.1f} ns per hop "
+                      f"({', '.join(f'{x:.0f}' for x in res)})", flush=True)
+    if a.json_out:
+        with open(a.json_out, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"bench": "hop", "gpu": torch.cuda.get_device_name(), **r}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
