@@ -9,11 +9,12 @@ where most CTAs wait on the next stage), so hot lines (the abort word) show up.
 Variants (WAIT, SIG):
   wait 0  the wait of 8bea23a^ (warp-0 lanes poll, the abort word loaded after a stale line, fence, CTA
           barrier, then the whole CTA re-reads the words line by line)
-  wait 1  sync.device.wait_box of 8bea23a (every thread polls a line, abort word in the same round trip,
-          fence in every thread, one reduction)
-  wait 2  warp 0 polls with warp votes, lane 0 alone loads the abort word, one reduction
-  sig 0   sync.device.signal_box (barrier, fence in every thread, every thread stores)
-  sig 1   barrier, then warp 0 fences and stores (sync.asm.signal_warp0)
+  wait 1  the wait of 8bea23a (every thread polls a line, each loads the abort word every cycle, fence in
+          every thread, one reduction)
+  wait 2  sync.device.wait_box since then: warp 0 polls with warp votes, lane 0 alone loads the abort
+          word, one reduction
+  sig 0   the signal before (barrier, fence in every thread, every thread stores)
+  sig 1   sync.device.signal_box since then: barrier, then warp 0 fences and stores (sync.asm.signal_warp0)
 
 Usage (GPU): python scripts/bench_hop.py [--iters 2000] [--words 32,256] [--pollers] [--json-out F]
 """
@@ -30,7 +31,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from sync.asm import fence_acq_rel, globaltimer, ld_relaxed_u32, signal_warp0, spin_lines_warp0, tid_x  # noqa: E402
+from sync.asm import fence_acq_rel, globaltimer, ld_relaxed_u32, signal_warp0, tid_x  # noqa: E402
 from sync.device import release_cta, signal_box, staggered_budget, store_words, wait_box  # noqa: E402
 from sync.header import H_ABORT, HEADER_WORDS  # noqa: E402
 
@@ -48,6 +49,61 @@ def _line_match_ptx() -> str:
 
 
 LINE_MATCH: tl.constexpr = tl.constexpr(_line_match_ptx())
+
+
+def _spin_all_ptx() -> str:
+    # the 8bea23a poll: every thread polls a line, each loads the abort word every cycle
+    # The whole poll loop of one thread, in one asm statement: no loop-carried value reaches the compiler
+    # (with the loop in Triton, a returned outcome cost the kernel ~400 B of call-boundary spills at 128
+    # registers, ptxas -v). Thread t polls lines t, t + nthreads, ... of the block; a line is 8 independent
+    # 16-byte relaxed loads (they pipeline; acquire loads would serialise and each invalidate L1), issued
+    # with this cycle's abort-word load, so a cycle costs one round trip. Labels inside { } are local to
+    # the statement (CUTLASS's mbarrier waits rely on the same), so it may appear any number of times.
+    # A vector load is not atomic as a whole; that is fine, every word is checked on its own.
+    # $0 live (out) | $1 block | $2 n_prod | $3 tag | $4 abort word | $5 budget ns | $6 threads per CTA
+    w = [f"%sw{i}" for i in range(32)]
+    a = ["{", ".reg .pred %sp<4>;", f".reg .b32 {', '.join(w)};",
+         ".reg .b32 %sline, %sfirst, %sab, %sm, %sb, %swant, %sacc;", ".reg .b64 %st0, %st1, %sa;",
+         "mov.u32 $0, 1;", "mov.u64 %st0, %globaltimer;", "mov.u32 %sline, %tid.x;",
+         "SPIN_TOP:",
+         "shl.b32 %sfirst, %sline, 5;",
+         "setp.ge.s32 %sp0, %sfirst, $2;",
+         "@%sp0 bra SPIN_DONE;",
+         "mul.wide.u32 %sa, %sline, 128;",
+         "add.u64 %sa, %sa, $1;",
+         "ld.relaxed.gpu.global.u32 %sab, [$4];"]
+    for v in range(8):
+        a.append(f"ld.relaxed.gpu.global.v4.u32 {{{', '.join(w[4 * v: 4 * v + 4])}}}, [%sa+{16 * v}];")
+    a += ["sub.s32 %swant, $2, %sfirst;",              # words of this line that have a producer
+          "setp.ge.s32 %sp1, %swant, 32;",
+          "shl.b32 %sm, 1, %swant;",
+          "sub.u32 %sm, %sm, 1;",
+          "selp.b32 %sm, -1, %sm, %sp1;",
+          "mov.u32 %sacc, 0;"]
+    for i in range(32):
+        a += [f"setp.eq.u32 %sp2, {w[i]}, $3;", f"selp.u32 %sb, {1 << i}, 0, %sp2;", "or.b32 %sacc, %sacc, %sb;"]
+    a += ["and.b32 %sacc, %sacc, %sm;",
+          "setp.eq.u32 %sp2, %sacc, %sm;",
+          "@!%sp2 bra SPIN_STALE;",
+          "add.u32 %sline, %sline, $6;",                # this line is complete: the thread's next one
+          "bra SPIN_TOP;",
+          "SPIN_STALE:",
+          "setp.eq.u32 %sp3, %sab, $3;",                # the launch aborted
+          "@%sp3 bra SPIN_FAIL;",
+          "mov.u64 %st1, %globaltimer;",
+          "sub.s64 %st1, %st1, %st0;",
+          "setp.gt.s64 %sp3, %st1, $5;",                # the budget ran out
+          "@%sp3 bra SPIN_FAIL;",
+          "bra SPIN_TOP;",
+          "SPIN_FAIL:",
+          "mov.u32 $0, 0;",
+          "SPIN_DONE:",
+          "fence.acq_rel.gpu;",                          # acquire: the relaxed loads above + this fence
+          "}"]
+    return "\n".join(a)
+
+
+SPIN_ALL: tl.constexpr = tl.constexpr(_spin_all_ptx())
 
 
 @triton.jit
@@ -88,10 +144,12 @@ def _wait(box, c, block_words, n_prod, tag, hdr, budget_ns, WAIT: tl.constexpr):
     if WAIT == 0:
         ok = _old_wait(box + c * block_words, n_prod, tag, hdr, budget_ns)
     elif WAIT == 1:
-        ok = wait_box(box, c, block_words, n_prod, tag, hdr, 0, c, budget_ns)
-    else:
-        live = spin_lines_warp0(box + c * block_words, n_prod, tag, hdr + H_ABORT, staggered_budget(budget_ns, 0))
+        live = tl.inline_asm_elementwise(SPIN_ALL, "=r,l,r,r,l,l,r", [box + c * block_words, n_prod, tag, hdr + H_ABORT,
+                                         staggered_budget(budget_ns, 0), tl.extra.cuda.num_threads()],
+                                         dtype=tl.int32, is_pure=False, pack=1)
         ok = tl.min(tl.zeros([tl.extra.cuda.num_threads()], tl.int32) + live, axis=0)
+    else:
+        ok = wait_box(box, c, block_words, n_prod, tag, hdr, 0, c, budget_ns)
     return ok
 
 
@@ -103,8 +161,9 @@ def _signal(box, c, block_words, n_words, tag, SIG: tl.constexpr):
         offs = tl.arange(0, 256)
         store_words(box + c * block_words + offs, tl.zeros([256], tl.int32) + tag, offs < n_words)
     else:
+        # sync.device.signal_box's GPU path; one consumer, n_words "producers": lane l of warp 0 stores words
+        # l, l + 32, ... (block_words 1: word = consumer index)
         tl.debug_barrier()
-        # one consumer, n_words "producers": lane l stores words l, l + 32, ... (block_words = 1 per word)
         signal_warp0(box + c * block_words, n_words, 1, 0, tag)
 
 
@@ -147,7 +206,7 @@ def main(argv=None) -> int:
     ap.add_argument("--words", default="32,256", help="words per hop (producers arriving at once), <= 256")
     ap.add_argument("--grid", type=int, default=None, help="default 2 CTAs per SM")
     ap.add_argument("--pollers", default="0,1", help="0: the other CTAs exit; 1: they poll their blocks")
-    ap.add_argument("--variants", default="0:0,1:0,2:0,2:1", help="WAIT:SIG pairs")
+    ap.add_argument("--variants", default="0:0,1:0,2:0,2:1", help="WAIT:SIG pairs (2:1 = the launches' hop)")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args(argv)
     dev = "cuda"

@@ -87,59 +87,6 @@ def fence_acq_rel():
                                      is_pure=False, pack=1)
 
 
-def _spin_lines_ptx() -> str:
-    # The whole poll loop of one thread, in one asm statement: no loop-carried value reaches the compiler
-    # (with the loop in Triton, a returned outcome cost the kernel ~400 B of call-boundary spills at 128
-    # registers, ptxas -v). Thread t polls lines t, t + nthreads, ... of the block; a line is 8 independent
-    # 16-byte relaxed loads (they pipeline; acquire loads would serialise and each invalidate L1), issued
-    # with this cycle's abort-word load, so a cycle costs one round trip. Labels inside { } are local to
-    # the statement (CUTLASS's mbarrier waits rely on the same), so it may appear any number of times.
-    # A vector load is not atomic as a whole; that is fine, every word is checked on its own.
-    # $0 live (out) | $1 block | $2 n_prod | $3 tag | $4 abort word | $5 budget ns | $6 threads per CTA
-    w = [f"%sw{i}" for i in range(32)]
-    a = ["{", ".reg .pred %sp<4>;", f".reg .b32 {', '.join(w)};",
-         ".reg .b32 %sline, %sfirst, %sab, %sm, %sb, %swant, %sacc;", ".reg .b64 %st0, %st1, %sa;",
-         "mov.u32 $0, 1;", "mov.u64 %st0, %globaltimer;", "mov.u32 %sline, %tid.x;",
-         "SPIN_TOP:",
-         "shl.b32 %sfirst, %sline, 5;",
-         "setp.ge.s32 %sp0, %sfirst, $2;",
-         "@%sp0 bra SPIN_DONE;",
-         "mul.wide.u32 %sa, %sline, 128;",
-         "add.u64 %sa, %sa, $1;",
-         "ld.relaxed.gpu.global.u32 %sab, [$4];"]
-    for v in range(8):
-        a.append(f"ld.relaxed.gpu.global.v4.u32 {{{', '.join(w[4 * v: 4 * v + 4])}}}, [%sa+{16 * v}];")
-    a += ["sub.s32 %swant, $2, %sfirst;",              # words of this line that have a producer
-          "setp.ge.s32 %sp1, %swant, 32;",
-          "shl.b32 %sm, 1, %swant;",
-          "sub.u32 %sm, %sm, 1;",
-          "selp.b32 %sm, -1, %sm, %sp1;",
-          "mov.u32 %sacc, 0;"]
-    for i in range(32):
-        a += [f"setp.eq.u32 %sp2, {w[i]}, $3;", f"selp.u32 %sb, {1 << i}, 0, %sp2;", "or.b32 %sacc, %sacc, %sb;"]
-    a += ["and.b32 %sacc, %sacc, %sm;",
-          "setp.eq.u32 %sp2, %sacc, %sm;",
-          "@!%sp2 bra SPIN_STALE;",
-          "add.u32 %sline, %sline, $6;",                # this line is complete: the thread's next one
-          "bra SPIN_TOP;",
-          "SPIN_STALE:",
-          "setp.eq.u32 %sp3, %sab, $3;",                # the launch aborted
-          "@%sp3 bra SPIN_FAIL;",
-          "mov.u64 %st1, %globaltimer;",
-          "sub.s64 %st1, %st1, %st0;",
-          "setp.gt.s64 %sp3, %st1, $5;",                # the budget ran out
-          "@%sp3 bra SPIN_FAIL;",
-          "bra SPIN_TOP;",
-          "SPIN_FAIL:",
-          "mov.u32 $0, 0;",
-          "SPIN_DONE:",
-          "fence.acq_rel.gpu;",                          # acquire: the relaxed loads above + this fence
-          "}"]
-    return "\n".join(a)
-
-
-SPIN_LINES_PTX: tl.constexpr = tl.constexpr(_spin_lines_ptx())
-
 def _spin_warp0_ptx() -> str:
     # Warp 0 polls, the other warps return at once (they wait at the caller's barrier). Lane l polls lines
     # l, l + 32, ... (one at a time, the next once the current one is complete); lane 0 alone loads the
@@ -200,8 +147,10 @@ SPIN_WARP0_PTX: tl.constexpr = tl.constexpr(_spin_warp0_ptx())
 
 @triton.jit
 def spin_lines_warp0(block, n_prod, tag, abort_ptr, budget_ns):
-    """As spin_lines, polled by warp 0 alone (lines lane, lane + 32, ...; lane 0 loads the abort word) with
-    warp votes: warp 0's threads get the outcome, the others 1 at once. No CTA barrier inside."""
+    """Warp 0: poll lines lane, lane + 32, ... of a box block (128-byte aligned, n_prod words wanted) until
+    each carries `tag` -> 1, or until the abort word carries `tag` or `budget_ns` passed -> 0, then
+    fence.acq_rel; the other warps get 1 at once. The caller joins the outcomes (a reduction, whose CTA
+    barrier holds the other warps until warp 0 is done). No CTA barrier inside."""
     return tl.inline_asm_elementwise(SPIN_WARP0_PTX, "=r,l,r,r,l,l",
                                      [block, n_prod, tag, abort_ptr, budget_ns.to(tl.int64)],
                                      dtype=tl.int32, is_pure=False, pack=1)
@@ -242,17 +191,6 @@ def signal_warp0(box, n_cons, block_words, producer, tag):
     """Warp 0 fences, then stores `tag` into word `producer` of every consumer block (lane l: consumers l,
     l + 32, ...). The caller runs a CTA barrier first, so the other warps' stores come before the fence."""
     return tl.inline_asm_elementwise(SIGNAL_WARP0_PTX, "=r,l,r,r,r,r", [box, n_cons, block_words, producer, tag],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def spin_lines(block, n_prod, tag, abort_ptr, budget_ns):
-    """Every thread: poll lines tid, tid + threads, ... of a box block (128-byte aligned, n_prod words
-    wanted) until each carries `tag` -> 1, or until the abort word carries `tag` or `budget_ns` passed
-    -> 0; then fence.acq_rel. Per thread: the caller joins the outcomes. No barrier inside."""
-    return tl.inline_asm_elementwise(SPIN_LINES_PTX, "=r,l,r,r,l,l,r",
-                                     [block, n_prod, tag, abort_ptr, budget_ns.to(tl.int64),
-                                      tl.extra.cuda.num_threads()],
                                      dtype=tl.int32, is_pure=False, pack=1)
 
 

@@ -20,14 +20,10 @@ import triton
 import triton.language as tl
 
 from .asm import (clock64, fence_acq_rel, globaltimer, in_interpreter, ld_relaxed_u32, ld_relaxed_u64, signal_warp0,
-                  spin_lines, spin_lines_warp0, st_relaxed_u32, st_relaxed_u64)
+                  spin_lines_warp0, st_relaxed_u32, st_relaxed_u64)
 from .header import H_ABORT, H_DONE, H_EPOCH, H_ERR, H_LAST_TAG, H_WAIT_CLK
 
 TAG_MASK: tl.constexpr = tl.constexpr(0xFFFFFFFF)
-# Which hop (read when this module is imported): "" every thread polls / fences / signals; "warp0" warp 0
-# alone polls (warp votes, one abort-word load per CTA per cycle) and, after the CTA barrier, alone fences
-# and stores the signal words (scripts/bench_hop.py measures both).
-HOP_WARP0: tl.constexpr = tl.constexpr(os.environ.get("GLM53_HOP", "") == "warp0")
 
 
 # ---------------------------------------------------------------------- launch begin / end
@@ -99,11 +95,13 @@ def signal_box(box, n_cons, block_words, producer, tag, site, fault_site, BLOCK:
     """Producer `producer` writes `tag` into its word of all `n_cons` consumers' blocks.
 
     box: int32 base of the box region [consumers, block_words]. Everything the CTA stored before is
-    released first (plain-row drain). Skipped entirely when `site == fault_site` (fault injection).
+    released first (plain-row drain): a CTA barrier, then warp 0 alone fences and stores the words
+    (sync.asm.signal_warp0; a fence in one warp after the barrier releases the whole CTA's stores, as in
+    a cooperative-groups grid sync). Skipped entirely when `site == fault_site` (fault injection).
     """
     if site != fault_site:
-        if HOP_WARP0 and not in_interpreter():
-            tl.debug_barrier()      # the CTA's stores before warp 0's fence
+        if not in_interpreter():
+            tl.debug_barrier()      # the CTA's stores before warp 0's fence (one warp fences, not four)
             signal_warp0(box, n_cons, block_words, producer, tag)
         else:
             release_cta()
@@ -223,21 +221,20 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns)
     """Wait until the first `n_prod` words of block `consumer` of the box carry `tag` -> ok (uniform).
     `cta` (this CTA's id) only goes into the error record.
 
-    The CTA's threads poll the block's 128-byte lines at once (one line each, relaxed vector loads with the
-    abort word in the same round trip, a fence per thread: sync.asm.spin_lines); then one reduction over
-    the threads' outcomes, whose CTA barrier orders every thread after the polls' acquires. Only a failed
-    spin re-reads the words (to record the first stale one): before, every wait re-read them line after
-    line, one L2 round trip per 32 producers (7-9 for the in_proj and expert boxes)."""
+    Warp 0 polls the block's 128-byte lines (a line per lane, relaxed vector loads; lane 0 loads the abort
+    word in the same round trip; warp votes end the loop; one fence: sync.asm.spin_lines_warp0); then one
+    reduction over the threads' outcomes, whose CTA barrier orders every thread after warp 0's acquire.
+    Only a failed spin re-reads the words (to record the first stale one): before, every wait re-read
+    them line after line, one L2 round trip per 32 producers (7-9 for the in_proj and expert boxes).
+    scripts/bench_hop.py (H200, box ping-pong, 2 CTAs on two SMs): 1.63 / 1.93 us per hop for 32 / 256
+    producers before, 1.48 / 1.54 us now."""
     block = box + consumer * block_words
     budget_ns = staggered_budget(budget_ns, site)
     clk = tl.load(hdr + H_WAIT_CLK)                 # before the spin: its round trip overlaps the polls
     if in_interpreter():
         ok = _box_check(block, n_prod, tag, hdr, site, cta)
     else:
-        if HOP_WARP0:
-            live = spin_lines_warp0(block, n_prod, tag, hdr + H_ABORT, budget_ns)
-        else:
-            live = spin_lines(block, n_prod, tag, hdr + H_ABORT, budget_ns)   # per thread
+        live = spin_lines_warp0(block, n_prod, tag, hdr + H_ABORT, budget_ns)     # warp 0: the outcome; others 1
         # min over one element per thread = the CTA's outcome in every thread, behind the reduction's CTA
         # barrier (which also orders every thread after the polls' acquires). A bar.red.and.pred does both
         # in one instruction, but with it ptxas -v showed ~370 B more call-boundary spills in the kernel.

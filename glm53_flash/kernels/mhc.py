@@ -54,6 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sync.asm import in_interpreter
+
 HC_SLOT = 40      # fp32 words per (task, row) partial: 24 GEMV sums + the 4x4 Gram matrix
 JOIN_CHUNK = tl.constexpr(64)   # partial slots hc_coeffs loads per round (64 column tiles at H 4096: one)
 _SLOT = tl.constexpr(HC_SLOT)   # the same, visible inside @triton.jit code
@@ -229,17 +231,22 @@ def _join4(t0, t1, t2, t3):
 
 @triton.jit
 def _rcp(d):
-    """1 / d as div.full.f32 (MUFU.RCP and a multiply, <= 2 ulp): one per denominator, then products.
-    With IEEE a / d for each of the 16 entries (an RCP, four dependent FMAs and a slow-path check per
-    division) the Sinkhorn's 20 rounds were ~170 instructions each on one dependent chain: the traced
-    gate tasks spent ~12 us of their own time there (H200, kda TP8, 8bea23a)."""
-    return tl.fdiv(1.0, d, ieee_rounding=False)
+    """1 / d by one MUFU.RCP (rcp.approx.ftz, ~1 ulp): one per denominator, then products. With IEEE a / d
+    per entry (an RCP, dependent FMAs and a slow-path check each) or div.full (range fix-ups around the
+    RCP) the Sinkhorn's 20 rounds sat on one long dependent chain: 7 of the gate task's ~13 us of own time
+    (trace marks, H200, kda TP8, 1230e01). Sums are d > 0 (exp + eps)."""
+    if in_interpreter():
+        return 1.0 / d
+    else:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True,
+                                         pack=1)
 
 
 @triton.jit
 def _rownorm(a, b, c, d, hc_eps):
-    """One Sinkhorn normalisation of 4 entries: each over (their sum + eps), as the reference normalises."""
-    r = _rcp(a + b + c + d + hc_eps)
+    """One Sinkhorn normalisation of 4 entries: each times 1 / (their sum + eps); the sum as a tree (two
+    dependent adds, not three)."""
+    r = _rcp((a + b) + (c + d) + hc_eps)
     return a * r, b * r, c * r, d * r
 
 
@@ -248,7 +255,7 @@ def _softmax4(a, b, c, d, hc_eps):
     """softmax of 4 scalars, + eps each (the reference's row softmax + eps)."""
     m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
     a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
-    r = _rcp(a + b + c + d)
+    r = _rcp((a + b) + (c + d))
     return a * r + hc_eps, b * r + hc_eps, c * r + hc_eps, d * r + hc_eps
 
 
@@ -259,9 +266,10 @@ def _sinkhorn(logits, hc_eps, ITERS: tl.constexpr):
 
     On 16 scalars held by every thread (_split4 of the rows): as [4, 4] tensors each of the ~40 row / column
     sums was a CTA-wide reduction behind shared-memory barriers, ~3 us of the gate task's critical path
-    (sm_90 SASS: 4 BAR.SYNC per round). The reference's order of operations; each normalisation
-    multiplies by one reciprocal of its sum (_rcp) instead of dividing every entry, so the bits differ
-    from the reference's in the last places (tests/test_kernels_mhc.py compares within 1e-5)."""
+    (sm_90 SASS: 4 BAR.SYNC per round). The reference's steps; each normalisation multiplies by one
+    approximate reciprocal of its sum (_rcp) instead of dividing every entry, and sums as a tree, so the
+    bits differ from the reference's in the last places (tests/test_kernels_mhc.py compares the
+    coefficients within 1e-5)."""
     i4 = tl.arange(0, 4)
     e, o = tl.split(tl.reshape(logits, [8, 2]))             # row-major entries 0::2 and 1::2
     ee, eo = tl.split(tl.reshape(e, [4, 2]))                # entries 0::4, 2::4

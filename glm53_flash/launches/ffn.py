@@ -64,7 +64,8 @@ def _wait_box(scratch, meta, b, pid, tag, hdr, timeout_ns):
 @triton.jit
 def waitb(scratch, meta, b, ready, pid, tag, hdr, timeout_ns):
     """Wait once per CTA for every producer of box b; ready: bit b set = this CTA already passed it.
-    -> (ok, ready | ok << b)."""
+    -> (ok, ready | ok << b). A wait's fence invalidates the SM's L1, so a meta word loaded after it is an
+    L2 round trip on the task's critical path: families load the meta words they need before waitb."""
     ok = (ready >> b) & 1
     if ok == 0:
         ok = _wait_box(scratch, meta, b, pid, tag, hdr, timeout_ns)
@@ -218,18 +219,24 @@ def gate_task(xs, base, scale, ln, scratch, meta, rows, a0, a1, a2, rdy, pid, ta
     [a0, a0 + GATE_BH) of row a2's gate row from the streams xs, producer a1. One task per (row, column
     tile): rows run in parallel, not one after another. -> (ok, rdy)."""
     if SECOND:
+        part = f32_at(scratch, meta, M_PART2)                           # meta words before the wait (waitb)
+        n_parts = tl.load(meta + M_NPART2)
+        coef = f32_at(scratch, meta, M_COEF2)
+        out = act_at(scratch, meta, M_A, ACT_F32)
         ok, rdy = waitb(scratch, meta, B_HP2, rdy, pid, tag, hdr, timeout_ns)
         if ok != 0:
-            gate_row(xs, f32_at(scratch, meta, M_PART2), tl.load(meta + M_NPART2), base, scale, ln,
-                     f32_at(scratch, meta, M_COEF2), act_at(scratch, meta, M_A, ACT_F32), a2, rows, a0, a0 == 0, eps,
-                     hc_eps, hdr, pid, H, ROWS_PAD, ITERS, GATE_BH)
+            gate_row(xs, part, n_parts, base, scale, ln, coef, out, a2, rows, a0, a0 == 0, eps, hc_eps, hdr, pid, H,
+                     ROWS_PAD, ITERS, GATE_BH)
             signal(scratch, meta, B_A, a1, tag, fault_site)
     else:
+        part = f32_at(scratch, meta, M_PART1)
+        n_parts = tl.load(meta + M_NPART1)
+        coef = f32_at(scratch, meta, M_COEF1)
+        out = act_at(scratch, meta, M_AIN, ACT_F32)
         ok, rdy = waitb(scratch, meta, B_HP1, rdy, pid, tag, hdr, timeout_ns)
         if ok != 0:
-            gate_row(xs, f32_at(scratch, meta, M_PART1), tl.load(meta + M_NPART1), base, scale, ln,
-                     f32_at(scratch, meta, M_COEF1), act_at(scratch, meta, M_AIN, ACT_F32), a2, rows, a0, a0 == 0, eps,
-                     hc_eps, hdr, pid, H, ROWS_PAD, ITERS, GATE_BH)
+            gate_row(xs, part, n_parts, base, scale, ln, coef, out, a2, rows, a0, a0 == 0, eps, hc_eps, hdr, pid, H,
+                     ROWS_PAD, ITERS, GATE_BH)
             signal(scratch, meta, B_AIN, a1, tag, fault_site)
     return ok, rdy
 
@@ -258,12 +265,14 @@ def oproj_task(W_o, S_o, xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_si
     """o_proj tiles a0 .. a0 + a1 - 1 (K = D) after the o wait, producer a2. TP 1: y1, then the tile
     range's hc_post (_post_mixer). TP > 1: the partial tiles go to every rank's xo slot. -> (ok, rdy)."""
     l2_prefetch_rows(W_o, a0 * BLOCK_N, H, D, BLOCK_N)                  # weights before the wait
+    x = act_at(scratch, meta, M_ON, ACT_F32)                            # meta words too (see waitb)
+    y = f32_at(scratch, meta, M_Y1)
+    site = tl.load(meta + M_SITE_XO)
     ok, rdy = waitb(scratch, meta, B_O, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
-        gemv_tile(W_o, S_o, act_at(scratch, meta, M_ON, ACT_F32), D, (a0 + j) * BLOCK_N, 0, D, rows, width, tp_rank,
-                  tp_size, f32_at(scratch, meta, M_Y1), H, xo, tag, tl.load(meta + M_SITE_XO), fault_site, H, D,
-                  ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, True)
+        gemv_tile(W_o, S_o, x, D, (a0 + j) * BLOCK_N, 0, D, rows, width, tp_rank, tp_size, y, H, xo, tag, site,
+                  fault_site, H, D, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, True)
         j += 1
     if (ok != 0) & (tp_size == 1):
         _post_mixer(xs, fn2, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, ROWS_PAD, BLOCK_N, BLOCK_C, NEXTN)

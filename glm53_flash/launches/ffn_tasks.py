@@ -110,12 +110,13 @@ def gu_task(W_g, S_g, W_u, S_u, scratch, meta, rows, width, a0, a1, a2, a3, rdy,
     k0 = a3 * KL
     l2_prefetch_rows(W_g + k0, a0 * BLOCK_N, I, H, BLOCK_N)             # weights before the wait
     l2_prefetch_rows(W_u + k0, a0 * BLOCK_N, I, H, BLOCK_N)
+    part = f32_at(scratch, meta, M_HPART) + a3 * width * 2 * I        # meta words before the wait (see waitb)
+    x = act_at(scratch, meta, M_A, ACT_F32)
     ok, rdy = waitb(scratch, meta, B_A, rdy, pid, tag, hdr, timeout_ns)
-    part = f32_at(scratch, meta, M_HPART) + a3 * width * 2 * I
     j = 0
     while (j < a1) & (ok != 0):
-        gateup_part_tile(W_g, W_u, S_g, S_u, act_at(scratch, meta, M_A, ACT_F32), H, part, rows, (a0 + j) * BLOCK_N,
-                         k0, k0 + KL, I, H, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
+        gateup_part_tile(W_g, W_u, S_g, S_u, x, H, part, rows, (a0 + j) * BLOCK_N, k0, k0 + KL, I, H, ROWS_PAD,
+                         BLOCK_N, BLOCK_K, NUM_STAGES)
         j += 1
     if ok != 0:
         signal(scratch, meta, B_HG, a2, tag, fault_site)
@@ -156,12 +157,14 @@ def down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size,
     """Dense down tiles a0 .. a0 + a1 - 1 after the h wait. TP 1: y2, then hc_post -> X_out. TP > 1: xd.
     -> (ok, rdy)."""
     l2_prefetch_rows(W_d, a0 * BLOCK_N, H, I, BLOCK_N)                  # weights before the wait
+    x = act_at(scratch, meta, M_H, ACT_F32)                             # meta words too (see waitb)
+    y = f32_at(scratch, meta, M_Y2)
+    site = tl.load(meta + M_SITE_XD)
     ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
-        gemv_tile(W_d, S_d, act_at(scratch, meta, M_H, ACT_F32), I, (a0 + j) * BLOCK_N, 0, I, rows, width, tp_rank,
-                  tp_size, f32_at(scratch, meta, M_Y2), H, xd, tag, tl.load(meta + M_SITE_XD), fault_site, H, I,
-                  ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, True)
+        gemv_tile(W_d, S_d, x, I, (a0 + j) * BLOCK_N, 0, I, rows, width, tp_rank, tp_size, y, H, xd, tag, site,
+                  fault_site, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, True)
         j += 1
     if (ok != 0) & (tp_size == 1):
         _post_ffn(X_out, scratch, meta, rows, a0, a1, 0, tag, fault_site, H, BLOCK_N, False, 0)
@@ -187,11 +190,12 @@ def router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, t
     """Router logit partial: experts [a0, a0 + BLOCK_E), K range [a1, a2), K part a4, producer a3 of rl.
     -> (ok, rdy)."""
     w0 = router_prefetch(W_r, a0, a1, a2, E, H, BLOCK_E, RCK)
+    x = act_at(scratch, meta, M_A, ACT_F32)                             # meta words before the wait (see waitb)
+    part = f32_at(scratch, meta, M_PART_R) + a4 * width * E
     ok, rdy = waitb(scratch, meta, B_A, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
-        lg = router_finish(w0, W_r, act_at(scratch, meta, M_A, ACT_F32), H, rows, a0, a1, a2, E, H, ROWS_PAD,
-                           BLOCK_E, RCK, NUM_STAGES)
-        router_store_partial(f32_at(scratch, meta, M_PART_R) + a4 * width * E, lg, rows, a0, E, ROWS_PAD, BLOCK_E)
+        lg = router_finish(w0, W_r, x, H, rows, a0, a1, a2, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES)
+        router_store_partial(part, lg, rows, a0, E, ROWS_PAD, BLOCK_E)
         signal(scratch, meta, B_RL, a3, tag, fault_site)
     return ok, rdy
 
@@ -202,10 +206,11 @@ def route_task(bias_r, scratch, meta, rows, width, a0, a1, rdy, pid, tag, hdr, t
     """Row a0's routing after the rl wait: join its logit partials (kernels/moe.py router_select), write its
     record (ids, weights), producer a1 of sel. One task per row: an expert slot then reads one id instead
     of repeating the join and the top-k (which cost every slot ~3-4 us; 2048 slots at 8 rows). -> (ok, rdy)."""
+    part = f32_at(scratch, meta, M_PART_R) + a0 * E                     # meta words before the wait (see waitb)
+    nrpart = tl.load(meta + M_NRPART)
     ok, rdy = waitb(scratch, meta, B_RL, rdy, pid, tag, hdr, timeout_ns)
     if (ok != 0) & (a0 < rows):
-        ids, w = router_select(f32_at(scratch, meta, M_PART_R) + a0 * E, width * E, tl.load(meta + M_NRPART), bias_r,
-                               E, scaling, KE, E_PAD, K_PAD, RENORM)
+        ids, w = router_select(part, width * E, nrpart, bias_r, E, scaling, KE, E_PAD, K_PAD, RENORM)
         router_store_record(i32_at(scratch, meta, M_IDS) + a0 * KE, f32_at(scratch, meta, M_RW) + a0 * KE, ids, w, KE,
                             K_PAD)
     if ok != 0:
@@ -220,9 +225,13 @@ def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy,
                 KS: tl.constexpr):
     """Expert slot (row a0, rank a1, tile a2, K slice a3 of KS) after the sel wait, producer a4 of xe: streams
     its K slice of the chosen expert's gate|up tile into epart plane a3. -> (ok, rdy)."""
+    ids = i32_at(scratch, meta, M_IDS)                                  # meta words before the wait (see waitb)
+    x = act_at(scratch, meta, M_A, ACT_F32) + a0 * H
+    KL: tl.constexpr = H // KS
+    part = f32_at(scratch, meta, M_EPART) + a3 * width * KE * 2 * I_E + (a0 * KE + a1) * 2 * I_E
     ok, rdy = waitb(scratch, meta, B_SEL, rdy, pid, tag, hdr, timeout_ns)
     if (ok != 0) & (a0 < rows):
-        e = expert_id(i32_at(scratch, meta, M_IDS), a0 * KE + a1, E)
+        e = expert_id(ids, a0 * KE + a1, E)
         wg = w_gu + e * 2 * I_E * H
         wu = wg + I_E * H
         if w_gu.dtype.element_ty == tl.float8e4nv:
@@ -232,10 +241,8 @@ def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy,
         else:
             sg = wg
             su = wu
-        KL: tl.constexpr = H // KS
-        part = f32_at(scratch, meta, M_EPART) + a3 * width * KE * 2 * I_E + (a0 * KE + a1) * 2 * I_E
-        gateup_part_tile(wg, wu, sg, su, act_at(scratch, meta, M_A, ACT_F32) + a0 * H, 0, part, 1, a2 * BLOCK_N,
-                         a3 * KL, a3 * KL + KL, I_E, H, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
+        gateup_part_tile(wg, wu, sg, su, x, 0, part, 1, a2 * BLOCK_N, a3 * KL, a3 * KL + KL, I_E, H, ROWS_PAD, BLOCK_N,
+                         BLOCK_K, NUM_STAGES)
     trace_mark(hdr, pid, 1)                                          # the slot's partial tile is stored
     if ok != 0:
         signal(scratch, meta, B_XE, a4, tag, fault_site)

@@ -84,11 +84,12 @@ def _inproj_task(W_in, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag
     KL: tl.constexpr = H // KS
     k0 = a3 * KL
     l2_prefetch_rows(W_in + k0, a0 * BLOCK_N, N_IN, H, BLOCK_N)        # weights before the wait
+    y = f32_at(scratch, meta, M_YIN) + a3 * width * N_IN                # meta words too (see ffn.waitb)
+    x = act_at(scratch, meta, M_AIN, ACT_F32)
     ok, rdy = waitb(scratch, meta, B_AIN, rdy, pid, tag, hdr, timeout_ns)
-    y = f32_at(scratch, meta, M_YIN) + a3 * width * N_IN
     j = 0
     while (j < a1) & (ok != 0):
-        gemv_tile(W_in, W_in, act_at(scratch, meta, M_AIN, ACT_F32), H, (a0 + j) * BLOCK_N, k0, k0 + KL, rows, 1, 0, 1,
+        gemv_tile(W_in, W_in, x, H, (a0 + j) * BLOCK_N, k0, k0 + KL, rows, 1, 0, 1,
                   y, N_IN, W_in, 0, 0, fault_site, N_IN, H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, False)
         j += 1
     if ok != 0:
