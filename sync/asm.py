@@ -94,6 +94,7 @@ def _spin_warp0_ptx() -> str:
     # past its lines / any lane out of time or aborted), so the warp leaves together and one abort load
     # per CTA per cycle reaches the abort word's L2 line (every polling thread of every CTA loaded it).
     # $0 live (out: warp 0 the outcome, others 1) | $1 block | $2 n_prod | $3 tag | $4 abort word | $5 budget
+    # | $6 unused: a value loaded with the box's meta words, so its load is issued before the spin
     w = [f"%vw{i}" for i in range(32)]
     a = ["{", ".reg .pred %vp<7>;", f".reg .b32 {', '.join(w)};",
          ".reg .b32 %vtid, %vline, %vfirst, %vab, %vm, %vb, %vwant, %vacc;", ".reg .b64 %vt0, %vt1, %va;",
@@ -146,13 +147,15 @@ SPIN_WARP0_PTX: tl.constexpr = tl.constexpr(_spin_warp0_ptx())
 
 
 @triton.jit
-def spin_lines_warp0(block, n_prod, tag, abort_ptr, budget_ns):
+def spin_lines_warp0(block, n_prod, tag, abort_ptr, budget_ns, pin):
     """Warp 0: poll lines lane, lane + 32, ... of a box block (128-byte aligned, n_prod words wanted) until
     each carries `tag` -> 1, or until the abort word carries `tag` or `budget_ns` passed -> 0, then
     fence.acq_rel; the other warps get 1 at once. The caller joins the outcomes (a reduction, whose CTA
-    barrier holds the other warps until warp 0 is done). No CTA barrier inside."""
-    return tl.inline_asm_elementwise(SPIN_WARP0_PTX, "=r,l,r,r,l,l",
-                                     [block, n_prod, tag, abort_ptr, budget_ns.to(tl.int64)],
+    barrier holds the other warps until warp 0 is done). No CTA barrier inside. `pin` (int32) is not
+    read: passing a loaded value keeps its load before the spin (a load the compiler sank past the spin
+    cost a round trip after the fence, ~0.24 us per hop in scripts/bench_hop.py)."""
+    return tl.inline_asm_elementwise(SPIN_WARP0_PTX, "=r,l,r,r,l,l,r",
+                                     [block, n_prod, tag, abort_ptr, budget_ns.to(tl.int64), pin],
                                      dtype=tl.int32, is_pure=False, pack=1)
 
 

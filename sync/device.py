@@ -234,7 +234,7 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns)
     if in_interpreter():
         ok = _box_check(block, n_prod, tag, hdr, site, cta)
     else:
-        live = spin_lines_warp0(block, n_prod, tag, hdr + H_ABORT, budget_ns)     # warp 0: the outcome; others 1
+        live = spin_lines_warp0(block, n_prod, tag, hdr + H_ABORT, budget_ns, clk)  # warp 0: outcome; others 1
         # min over one element per thread = the CTA's outcome in every thread, behind the reduction's CTA
         # barrier (which also orders every thread after the polls' acquires). A bar.red.and.pred does both
         # in one instruction, but with it ptxas -v showed ~370 B more call-boundary spills in the kernel.
