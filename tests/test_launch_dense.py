@@ -169,7 +169,8 @@ def test_dense_tp2_simulated_and_fault(tiny_cfg, tiny_weights, tiny_ref, gen, on
     X, caches = make_step(tiny_cfg, tiny_ref, DENSE_LAYER, 2, gen)
     xchg = new_xchg(tiny_cfg, 2, 2, "cpu")
     Ls = [DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, tp_rank=r, tp_size=2, width=2, xchg=xchg) for r in range(2)]
-    assert [s.split(".")[1] for s in Ls[0].sites] == ["hp1", "a_in", "yin", "o", "xo", "hp2", "a", "hg", "h", "xd"]
+    assert [s.split(".")[1] for s in Ls[0].sites] == ["hp1", "a_in", "yin", "o", "xo", "cf1", "hp2", "a", "hg", "h",
+                                                     "cf2", "xd"]
     ins = [(X, *rank_state(tiny_cfg, caches, DENSE_LAYER, r, 2)) for r in range(2)]
     before = [(s.clone(), w.clone()) for _, s, w in ins]
     with pytest.raises(HandoffTimeout, match="'dense.xd'"):
@@ -217,8 +218,10 @@ def test_dense_fp8_checkpoint(tiny_cfg, tmp_path, gen, one_thread):
 
 def test_layer_kinds_api_and_bad_inputs(tiny_cfg, tiny_weights, gen):
     assert {"tail", "embed", "dense", "kda"} <= set(available())
-    assert sites("dense", head_dim=64) == [f"dense.{s}" for s in ("hp1", "a_in", "yin", "o", "hp2", "a", "hg", "h")]
-    assert sites("dense") == [f"dense.{s}" for s in ("hp1", "a_in", "yin", "oraw", "o", "hp2", "a", "hg", "h")]
+    assert sites("dense", head_dim=64) == [f"dense.{s}" for s in ("hp1", "a_in", "yin", "o", "cf1", "hp2", "a", "hg",
+                                                                  "h", "cf2")]
+    assert sites("dense") == [f"dense.{s}" for s in ("hp1", "a_in", "yin", "oraw", "o", "cf1", "hp2", "a", "hg", "h",
+                                                     "cf2")]
     with pytest.raises(ValueError, match="layer 4 is a 'kda' launch"):
         DenseLaunch(tiny_cfg, tiny_weights, 4)
     with pytest.raises(ValueError, match="width=3"):

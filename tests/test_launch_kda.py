@@ -79,7 +79,7 @@ def test_kda_fault_every_site_then_clean(tiny_cfg, tiny_weights, tiny_ref, gen, 
     X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 1, gen)
     S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
     L = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=1)
-    want = [f"kda.{s}" for s in ("hp1", "a_in", "yin", "o", "hp2", "a", "rl", "hg", "sel", "xe", "h")]
+    want = [f"kda.{s}" for s in ("hp1", "a_in", "yin", "o", "cf1", "hp2", "a", "rl", "hg", "sel", "xe", "h", "cf2")]
     assert sites("kda", head_dim=64) == want
     fault_every_site(L, X, S, W, want, clean_after=("kda.hp1", "kda.rl", "kda.xe"))
 
@@ -107,7 +107,8 @@ def test_kda_grouped_moe_down(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread,
     monkeypatch.setattr(KdaLaunch, "down_groups", tiny_cfg.num_experts_per_tok + 1)
     L = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=4)
     assert L.kg == 3 and "down_join" in L.schedule.stage_names
-    assert list(L.sites)[-2:] == ["kda.h", "kda.dp"] and list(L.sites) == KdaLaunch.site_names(1, down_groups=3)
+    assert list(L.sites)[-3:] == ["kda.h", "kda.dp", "kda.cf2"]
+    assert list(L.sites) == KdaLaunch.site_names(1, down_groups=3)
     poison_scratch(L)
     out = L.run(X, S.clone(), W.clone(), commit=False)
     assert rel(out, ungrouped) < 1e-5
@@ -116,7 +117,7 @@ def test_kda_grouped_moe_down(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread,
                      clean_after=("kda.dp",))
     xchg = new_xchg(tiny_cfg, 2, 2, "cpu")
     Ls = [KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, tp_rank=r, tp_size=2, width=2, xchg=xchg) for r in range(2)]
-    assert [s.split(".")[1] for s in Ls[0].sites][-3:] == ["h", "dp", "xd"]
+    assert [s.split(".")[1] for s in Ls[0].sites][-4:] == ["h", "dp", "cf2", "xd"]
     ins = [(X, *rank_state(tiny_cfg, caches, KDA_LAYER, r, 2)) for r in range(2)]
     outs = run_tp(Ls, ins)
     assert torch.equal(outs[0], outs[1])

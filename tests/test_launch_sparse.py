@@ -194,7 +194,8 @@ def test_sparse_tp2_simulated(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread)
     Ls = [SparseLaunch(tiny_cfg, tiny_weights, LAYER, tp_rank=r, tp_size=2, width=2, xchg=xchg, max_len=MAX_LEN)
           for r in range(2)]
     assert Ls[0].NHA == 2
-    assert [s.split(".")[1] for s in Ls[0].sites][-9:] == ["xo", "hp2", "a", "rl", "hg", "sel", "xe", "h", "xd"]
+    assert [s.split(".")[1] for s in Ls[0].sites][-11:] == ["xo", "cf1", "hp2", "a", "rl", "hg", "sel", "xe", "h",
+                                                            "cf2", "xd"]
     cks = [caches.clone() for _ in range(2)]                                 # every rank keeps its own copy
     with pytest.raises(HandoffTimeout, match="'sparse.xo'"):
         run_tp(Ls, [(X, *layer_caches(c, 0), [25, 30]) for c in cks], inject_fault="sparse.xo", fault_rank=1)

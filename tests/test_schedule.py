@@ -145,12 +145,18 @@ def test_trace_report_critical_path_with_known_times():
     g.stage("c")
     c1 = g.add("out", (0,), reads=("y",), cta=1)
     sched = from_programs(g, 2, [[a0.id, b0.id], [a1.id, c1.id]])
-    # table rows: CTA 0's program, then CTA 1's; then one row per CTA
-    ns = {a0.id: (1000, 3000), b0.id: (9000, 12000), a1.id: (1000, 8000), c1.id: (15000, 16000)}
-    rows = [ns[t] for prog in sched.programs for t in prog] + [(1000, 12500), (1000, 16500)]
+    # table rows (start ns, end ns, cycles to the last wait's end, to the end, to marks 1-3, 0): CTA 0's
+    # program, then CTA 1's; then one row per CTA, whose cycles over its run give its cycles per ns (2 and 1)
+    ns = {a0.id: (1000, 3000, 0, 4000), b0.id: (9000, 12000, 2000, 6000), a1.id: (1000, 8000, 0, 7000),
+          c1.id: (15000, 16000, 400, 1000)}
+    rows = [(*ns[t], -1, -1, -1, 0) for prog in sched.programs for t in prog]
+    rows += [(1000, 12500, 0, 23000, -1, -1, -1, 0), (1000, 16500, 0, 15500, -1, -1, -1, 0)]
     L = types.SimpleNamespace(kind="demo", grid=2, schedule=sched, trace_buf=torch.tensor(rows, dtype=torch.int64))
     times, ctas = read(L)
     assert ctas == [(0, 11500), (0, 15500)] and {t.task: (t.start, t.end) for t in times}[b0.id] == (8000, 11000)
+    # b0 on CTA 0 (2 cycles per ns): waited 1000 ns of its 3000; c1 on CTA 1: 400 of 1000; no marks
+    assert {t.task: (t.wait, t.work, t.marks) for t in times}[b0.id] == (1000, 3000, (None, None, None))
+    assert {t.task: (t.wait, t.work) for t in times}[c1.id] == (400, 1000)
     path = critical_path(L, times)
     # out waits on y (mix, ends 11000 -> gap 3000); mix ran after load 0 on CTA 0 (ends 2000) but its
     # input x's last producer is load 1 (ends 7000): that one, gap 1000

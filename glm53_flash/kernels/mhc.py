@@ -197,6 +197,19 @@ def hc_join(part_ptr, stride_task, n_parts):
 
 
 @triton.jit
+def hc_pre_rstd(w, j, H, eps, hc_eps):
+    """(pre, rstd) alone, as hc_derive computes them: all the gate row needs (no Sinkhorn)."""
+    s0, s1, s2, b_pre, b_post, b_comb = w
+    pre_s, post_s, comb_s, G = j
+    i4 = tl.arange(0, 4)
+    ss = tl.sum(tl.sum(tl.where(i4[:, None] == i4[None, :], G, 0.0), axis=1), axis=0)   # trace(G)
+    inv = 1.0 / tl.sqrt(ss / (4 * H) + eps)
+    pre = tl.sigmoid(pre_s * inv * s0 + b_pre) + hc_eps
+    ss_in = tl.sum(tl.sum(pre[:, None] * G * pre[None, :], axis=1), axis=0)
+    return pre, 1.0 / tl.sqrt(ss_in / H + eps)
+
+
+@triton.jit
 def hc_derive(w, j, H, eps, hc_eps, ITERS: tl.constexpr):
     """(pre, post, comb, rstd) from hc_weights' w and hc_join's j (hc_coeffs)."""
     s0, s1, s2, b_pre, b_post, b_comb = w

@@ -22,12 +22,12 @@ from sync.device import signal_box, trace_mark, wait_box
 from ..kernels.gemv import gemv_store, gemv_stream
 from ..kernels.mhc import hc_partial_finish, hc_partial_prefetch, hc_post_partial, hc_post_tile
 from .tail import _l2_prefetch
-from .mixer_kda import SLOT_W, embed_gather, gate_row, peer_publish, xchg_publish, xchg_sum
+from .mixer_kda import SLOT_W, coef_row, embed_gather, gate_row, peer_publish, xchg_publish, xchg_sum
 
 # ---------------------------------------------------------------------------- meta layout
 BOX_BASE_H = 64
 BOX_BASE: tl.constexpr = tl.constexpr(BOX_BASE_H)
-COMMON_BOXES = ("hp1", "a_in", "o", "hp2", "a", "h", "rl", "xe", "hg", "sel", "dp")
+COMMON_BOXES = ("hp1", "a_in", "o", "hp2", "a", "h", "rl", "xe", "hg", "sel", "dp", "cf1", "cf2")
 COMMON_ROWS = ("part1", "part2", "coef1", "coef2", "a_in_rows", "a_rows", "o_rows", "y1", "xmid", "h_rows", "y2",
                "part_r", "ids_rec", "rw_rec", "act_e", "hpart", "epart", "dpart")
 COMMON_SCALARS = ("hdr", "site_xo", "site_xd", "npart1", "npart2", "nrpart")
@@ -45,7 +45,8 @@ _META, _ = meta_layout(COMMON_BOXES, COMMON_ROWS)
 (M_PART1, M_PART2, M_COEF1, M_COEF2, M_AIN, M_A, M_ON, M_Y1, M_XMID, M_H, M_Y2, M_PART_R, M_IDS, M_RW, M_ACTE, M_HPART,
  M_EPART, M_DPART, M_HDR, M_SITE_XO, M_SITE_XD, M_NPART1, M_NPART2, M_NRPART) = (tl.constexpr(_META[n])
                                                                       for n in COMMON_ROWS + COMMON_SCALARS)
-B_HP1, B_AIN, B_O, B_HP2, B_A, B_H, B_RL, B_XE, B_HG, B_SEL, B_DP = (tl.constexpr(i) for i in range(len(COMMON_BOXES)))
+(B_HP1, B_AIN, B_O, B_HP2, B_A, B_H, B_RL, B_XE, B_HG, B_SEL, B_DP, B_CF1,
+ B_CF2) = (tl.constexpr(i) for i in range(len(COMMON_BOXES)))
 
 
 # ---------------------------------------------------------------------------- hand-off helpers
@@ -213,31 +214,55 @@ def hc_pre_task(xs, fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2, tag, 
 
 @triton.jit(noinline=True)
 def gate_task(xs, base, scale, ln, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps,
-              hc_eps, SECOND: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, ITERS: tl.constexpr,
-              GATE_BH: tl.constexpr, ACT_F32: tl.constexpr):
-    """gate1 (SECOND False: waits hp1, writes coef1 / a_in) or gate2 (waits hp2, coef2 / a): columns
-    [a0, a0 + GATE_BH) of row a2's gate row from the streams xs, producer a1. One task per (row, column
-    tile): rows run in parallel, not one after another. -> (ok, rdy)."""
+              hc_eps, SECOND: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, GATE_BH: tl.constexpr,
+              ACT_F32: tl.constexpr):
+    """gate1 (SECOND False: waits hp1, writes a_in) or gate2 (waits hp2, writes a): columns [a0, a0 +
+    GATE_BH) of row a2's gate row from the streams xs, producer a1. One task per (row, column tile): rows
+    run in parallel, not one after another. -> (ok, rdy)."""
     if SECOND:
         part = f32_at(scratch, meta, M_PART2)                           # meta words before the wait (waitb)
         n_parts = tl.load(meta + M_NPART2)
-        coef = f32_at(scratch, meta, M_COEF2)
         out = act_at(scratch, meta, M_A, ACT_F32)
         ok, rdy = waitb(scratch, meta, B_HP2, rdy, pid, tag, hdr, timeout_ns)
         if ok != 0:
-            gate_row(xs, part, n_parts, base, scale, ln, coef, out, a2, rows, a0, a0 == 0, eps, hc_eps, hdr, pid, H,
-                     ROWS_PAD, ITERS, GATE_BH)
+            gate_row(xs, part, n_parts, base, scale, ln, out, a2, rows, a0, eps, hc_eps, hdr, pid, H, ROWS_PAD,
+                     GATE_BH)
             signal(scratch, meta, B_A, a1, tag, fault_site)
     else:
         part = f32_at(scratch, meta, M_PART1)
         n_parts = tl.load(meta + M_NPART1)
-        coef = f32_at(scratch, meta, M_COEF1)
         out = act_at(scratch, meta, M_AIN, ACT_F32)
         ok, rdy = waitb(scratch, meta, B_HP1, rdy, pid, tag, hdr, timeout_ns)
         if ok != 0:
-            gate_row(xs, part, n_parts, base, scale, ln, coef, out, a2, rows, a0, a0 == 0, eps, hc_eps, hdr, pid, H,
-                     ROWS_PAD, ITERS, GATE_BH)
+            gate_row(xs, part, n_parts, base, scale, ln, out, a2, rows, a0, eps, hc_eps, hdr, pid, H, ROWS_PAD,
+                     GATE_BH)
             signal(scratch, meta, B_AIN, a1, tag, fault_site)
+    return ok, rdy
+
+
+@triton.jit(noinline=True)
+def coef_task(base, scale, scratch, meta, rows, a0, a1, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps,
+              SECOND: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, ITERS: tl.constexpr):
+    """coef1 (SECOND False: waits hp1 -> coef1, box cf1) or coef2 (hp2 -> coef2, cf2): row a0's mHC
+    coefficients with the Sinkhorn, producer a1. Beside the gate tasks, on a CTA of its own: only hc_post
+    needs post / comb, a few stages later (it waits on cf1 / cf2), so the Sinkhorn (~5 us traced on the
+    H200) is off the gate row's critical path. -> (ok, rdy)."""
+    if SECOND:
+        part = f32_at(scratch, meta, M_PART2)                           # meta words before the wait (waitb)
+        n_parts = tl.load(meta + M_NPART2)
+        coef = f32_at(scratch, meta, M_COEF2)
+        ok, rdy = waitb(scratch, meta, B_HP2, rdy, pid, tag, hdr, timeout_ns)
+        if ok != 0:
+            coef_row(part, n_parts, base, scale, coef, a0, rows, eps, hc_eps, H, ROWS_PAD, ITERS)
+            signal(scratch, meta, B_CF2, a1, tag, fault_site)
+    else:
+        part = f32_at(scratch, meta, M_PART1)
+        n_parts = tl.load(meta + M_NPART1)
+        coef = f32_at(scratch, meta, M_COEF1)
+        ok, rdy = waitb(scratch, meta, B_HP1, rdy, pid, tag, hdr, timeout_ns)
+        if ok != 0:
+            coef_row(part, n_parts, base, scale, coef, a0, rows, eps, hc_eps, H, ROWS_PAD, ITERS)
+            signal(scratch, meta, B_CF1, a1, tag, fault_site)
     return ok, rdy
 
 
@@ -275,7 +300,11 @@ def oproj_task(W_o, S_o, xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_si
                   fault_site, H, D, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, True)
         j += 1
     if (ok != 0) & (tp_size == 1):
-        _post_mixer(xs, fn2, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, ROWS_PAD, BLOCK_N, BLOCK_C, NEXTN)
+        if not NEXTN:
+            ok, rdy = waitb(scratch, meta, B_CF1, rdy, pid, tag, hdr, timeout_ns)     # hc_post's coefficients
+        if ok != 0:
+            _post_mixer(xs, fn2, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, ROWS_PAD, BLOCK_N, BLOCK_C,
+                        NEXTN)
     return ok, rdy
 
 
@@ -294,16 +323,22 @@ def _rank_sum_tiles(xchg, y, a0, a1, rows, width, tp_rank, tp_size, tag, hdr, si
 
 
 @triton.jit(noinline=True)
-def post1_task(xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, pid, tag, hdr, timeout_ns,
-               fault_site, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-               NEXTN: tl.constexpr):
-    """o_sum (TP > 1): rank-order sum of the xo tiles a0 .. a0 + a1 - 1 -> y1, then as oproj_task. -> ok."""
-    ok = _rank_sum_tiles(xo, f32_at(scratch, meta, M_Y1), a0, a1, rows, width, tp_rank, tp_size, tag, hdr,
-                         tl.load(meta + M_SITE_XO), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
+def post1_task(xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, rdy, pid, tag, hdr,
+               timeout_ns, fault_site, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_C: tl.constexpr, NEXTN: tl.constexpr):
+    """o_sum (TP > 1): rank-order sum of the xo tiles a0 .. a0 + a1 - 1 -> y1, then as oproj_task (the cf1
+    wait first: it comes before this rank's xd, so a stall there starves every rank). -> (ok, rdy)."""
+    if not NEXTN:
+        ok, rdy = waitb(scratch, meta, B_CF1, rdy, pid, tag, hdr, timeout_ns)         # hc_post's coefficients
+    else:
+        ok = 1
+    if ok != 0:
+        ok = _rank_sum_tiles(xo, f32_at(scratch, meta, M_Y1), a0, a1, rows, width, tp_rank, tp_size, tag, hdr,
+                             tl.load(meta + M_SITE_XO), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
     trace_mark(hdr, pid, 1)                                          # the rank sums are stored
     if ok != 0:
         _post_mixer(xs, fn2, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, ROWS_PAD, BLOCK_N, BLOCK_C, NEXTN)
-    return ok
+    return ok, rdy
 
 
 @triton.jit(noinline=True)

@@ -31,7 +31,7 @@ from ..kernels.gemv import gemv_store, gemv_stream, plane_sum
 from ..kernels.mlp import swiglu_clamped
 from ..kernels.moe import (expert_id, moe_down_group, router_finish, router_prefetch, router_select,
                            router_store_partial, router_store_record)
-from .ffn import (B_A, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACTE, M_COEF2, M_DPART, M_EPART, M_H, M_HPART,
+from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACTE, M_COEF2, M_DPART, M_EPART, M_H, M_HPART,
                   M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles, act_at, add_cols, f32_at,
                   gemv_tile, i32_at, l2_prefetch_rows, post_cols, signal, waitb)
 from .mixer_kda import xchg_publish
@@ -161,6 +161,8 @@ def down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size,
     y = f32_at(scratch, meta, M_Y2)
     site = tl.load(meta + M_SITE_XD)
     ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
+    if ok != 0:     # hc_post's coefficients, before this rank's xd (a stall here then starves every rank)
+        ok, rdy = waitb(scratch, meta, B_CF2, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
         gemv_tile(W_d, S_d, x, I, (a0 + j) * BLOCK_N, 0, I, rows, width, tp_rank, tp_size, y, H, xd, tag, site,
@@ -282,6 +284,9 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
     then _post_ffn (producer a2); TP > 1 xd. KG > 1: partial planes, producer a2 of dp. -> (ok, rdy)."""
     l2_prefetch_rows(W_d, a0 * BLOCK_N, H, I, BLOCK_N)                  # shared expert's weights
     ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
+    if (KG == 1) and (not NEXTN):
+        if ok != 0:     # hc_post's coefficients, before this rank's xd (a stall here starves every rank)
+            ok, rdy = waitb(scratch, meta, B_CF2, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
         n0 = (a0 + j) * BLOCK_N
@@ -306,6 +311,9 @@ def down_join_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, 
     """down_join (KG > 1): tiles a0 .. a0 + a1 - 1 of every row = its KG group planes added in group order;
     TP 1: y2, then _post_ffn (producer a2); TP > 1: this rank's xd slot. -> (ok, rdy)."""
     ok, rdy = waitb(scratch, meta, B_DP, rdy, pid, tag, hdr, timeout_ns)
+    if not NEXTN:
+        if ok != 0:     # hc_post's coefficients, before this rank's xd (a stall here starves every rank)
+            ok, rdy = waitb(scratch, meta, B_CF2, rdy, pid, tag, hdr, timeout_ns)
     offs_r = tl.arange(0, ROWS_PAD)
     j = 0
     while (j < a1) & (ok != 0):

@@ -39,8 +39,8 @@ class KdaLaunch(KdaLayerLaunch):
     @classmethod
     def site_names(cls, tp_size: int = 1, block_v_split: bool = False, down_groups: int = 1) -> list[str]:
         s = ["hp1", "a_in", "yin"] + (["oraw"] if block_v_split else []) + ["o"]
-        s += (["xo"] if tp_size > 1 else []) + ["hp2", "a", "rl", "hg", "sel", "xe", "h"]
-        s += (["dp"] if down_groups > 1 else []) + (["xd"] if tp_size > 1 else [])
+        s += (["xo"] if tp_size > 1 else []) + ["cf1", "hp2", "a", "rl", "hg", "sel", "xe", "h"]
+        s += (["dp"] if down_groups > 1 else []) + ["cf2"] + (["xd"] if tp_size > 1 else [])
         return [f"kda.{n}" for n in s]
 
     def _ffn_names(self, p: str) -> list[str]:
@@ -138,12 +138,15 @@ class KdaLaunch(KdaLayerLaunch):
                                       k_split=self.kg)
             g.stage("down_join")
             for s, (t0, n) in enumerate(ranges):
-                g.add("down_join", (t0, n, s), reads=("dp",), writes=("xd",) if tp > 1 else (),
+                g.add("down_join", (t0, n, s), reads=("dp",) + self._hc_post_reads("cf2"),
+                      writes=("xd",) if tp > 1 else (),
                       nbytes=self.kg * W * n * BN * 4)
         elif tp == 1:
-            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("h",), (), None, ret_ranges=True)
+            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("h",) + self._hc_post_reads("cf2"), (), None,
+                                      ret_ranges=True)
         else:
-            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("h",), ("xd",), None, ret_ranges=True)
+            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("h",) + self._hc_post_reads("cf2"), ("xd",),
+                                      None, ret_ranges=True)
         if tp > 1:
             self._peers(g, "peer_d", ranges, "xd")
             g.stage("down_sum")

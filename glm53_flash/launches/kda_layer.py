@@ -50,13 +50,13 @@ import triton.language as tl
 from sync.device import launch_begin, launch_end, trace_clock, trace_cycles, trace_store
 
 from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO, M_XMID, act_at,
-                  f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows, meta_layout, oproj_task, peer_task,
-                  post1_task, signal, task_entry, waitb)
+                  coef_task, f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows, meta_layout, oproj_task,
+                  peer_task, post1_task, signal, task_entry, waitb)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
 from .mixer_kda import kda_block, kda_norm_task, kda_prefetch
 
 FAMILIES = with_ffn_families({"part": 0, "gate1": 1, "inproj": 2, "kda": 3, "kda_norm": 4, "oproj": 5, "post1": 6,
-                               "gate2": 7, "peer_o": 11, "peer_d": 12})
+                               "gate2": 7, "coef1": 8, "coef2": 9, "peer_o": 11, "peer_d": 12})
 BOXES = COMMON_BOXES + ("yin", "oraw")      # box b: meta words BOX_BASE + 4b .. = offset, words, producers, site
 ROWS_REGIONS = COMMON_ROWS + ("x0", "yin_rows", "oraw_rows", "ssq")
 META, META_WORDS = meta_layout(BOXES, ROWS_REGIONS)
@@ -113,8 +113,8 @@ def _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, on
             S_blk = kda_prefetch(S_in, a0, a1, a2 * BV, NH, DK, DV, BV)
             kda_block(S_blk, a0, a1, a2 * BV, f32_at(scratch, meta, M_YIN), S_out, win_in, win_out, conv_w, A_log,
                       dt_bias, f_b, g_b, onorm_w, act_at(scratch, meta, M_ON, ACT_F32), f32_at(scratch, meta, M_ORAW),
-                      f32_at(scratch, meta, M_SSQ), eps, lower_bound, width * N_IN, hdr, pid, D, NH, R, N_IN, DK, DV, BV, KC,
-                      CK, KS)
+                      f32_at(scratch, meta, M_SSQ), eps, lower_bound, width * N_IN, hdr, pid, D, NH, R, N_IN, DK, DV,
+                      BV, KC, CK, KS)
     if ok != 0:
         if NB == 1:
             signal(scratch, meta, B_O, a3, tag, fault_site)
@@ -177,7 +177,7 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
             elif fam == 1:                                 # gate1: columns [a0, a0 + GATE_BH), producer a1
                 ok, rdy = gate_task(_streams(X, scratch, meta, EMBED), base1, scale1, ln1, scratch, meta, rows, a0, a1,
                                     a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, False, H, ROWS_PAD,
-                                    ITERS, GATE_BH, ACT_F32)
+                                    GATE_BH, ACT_F32)
             elif fam == 2:                                 # inproj: tiles a0 .. a0 + a1 - 1, producer a2
                 ok, rdy = _inproj_task(W_in, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr,
                                        timeout_ns, fault_site, H, N_IN, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES,
@@ -194,13 +194,19 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                                      tp_rank, tp_size, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, H, D,
                                      ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, BLOCK_C, ACT_F32, False)
             elif fam == 6:                                 # post1: rank sum of tiles a0 .., producer a2
-                ok = post1_task(_streams(X, scratch, meta, EMBED), fn2, xo, scratch, meta, rows, width, tp_rank,
-                                tp_size, a0, a1, a2, pid, tag, hdr, timeout_ns, fault_site, H, ROWS_PAD, BLOCK_N,
-                                BLOCK_C, False)
+                ok, rdy = post1_task(_streams(X, scratch, meta, EMBED), fn2, xo, scratch, meta, rows, width, tp_rank,
+                                     tp_size, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, H, ROWS_PAD,
+                                     BLOCK_N, BLOCK_C, False)
             elif fam == 7:                                 # gate2: columns [a0, a0 + GATE_BH), producer a1
                 ok, rdy = gate_task(f32_at(scratch, meta, M_XMID), base2, scale2, ln2, scratch, meta, rows, a0, a1,
                                     a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, True, H, ROWS_PAD,
-                                    ITERS, GATE_BH, ACT_F32)
+                                    GATE_BH, ACT_F32)
+            elif fam == 8:                                 # coef1: row a0's hc_post coefficients, producer a1
+                ok, rdy = coef_task(base1, scale1, scratch, meta, rows, a0, a1, rdy, pid, tag, hdr, timeout_ns,
+                                    fault_site, eps, hc_eps, False, H, ROWS_PAD, ITERS)
+            elif fam == 9:                                 # coef2
+                ok, rdy = coef_task(base2, scale2, scratch, meta, rows, a0, a1, rdy, pid, tag, hdr, timeout_ns,
+                                    fault_site, eps, hc_eps, True, H, ROWS_PAD, ITERS)
             elif fam == 11:                                # peer_o (loopback): rank a0's tiles a1 .. a1 + a2 - 1
                 peer_task(xo, peer_o, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, tag, fault_site,
                           M_SITE_XO, H, ROWS_PAD, BLOCK_N)

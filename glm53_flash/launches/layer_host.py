@@ -217,7 +217,7 @@ class KdaLayerLaunch(Launch):
     def site_names(cls, tp_size: int = 1, block_v_split: bool = False) -> list[str]:
         k = cls.kind
         s = ["hp1", "a_in", "yin"] + (["oraw"] if block_v_split else []) + ["o"]
-        s += (["xo"] if tp_size > 1 else []) + ["hp2", "a", "hg", "h"] + (["xd"] if tp_size > 1 else [])
+        s += (["xo"] if tp_size > 1 else []) + ["cf1", "hp2", "a", "hg", "h", "cf2"] + (["xd"] if tp_size > 1 else [])
         return [f"{k}.{n}" for n in s]
 
     def build_graph(self) -> TaskGraph:
@@ -274,19 +274,32 @@ class KdaLayerLaunch(Launch):
                 g.add("gate1", (t * self.gate_bh, r * n_gate + t, r), reads=("hp1",), writes=("a_in",),
                       nbytes=4 * self.gate_bh * 4)
         self.n_box["a_in"] = W * n_gate
+        self._coef_tasks(g, "coef1", "hp1", "cf1")
+
+    def _coef_tasks(self, g, fam: str, reads: str, box: str) -> None:
+        """One task per row: the row's hc_post coefficients (the Sinkhorn), beside the gate tasks of the
+        same stage (placement puts them on CTAs of their own); hc_post waits on the box."""
+        for r in range(self.width):
+            g.add(fam, (r, r), reads=(reads,), writes=(box,), nbytes=self.npart1 * 40 * 4)
+        self.n_box[box] = self.width
+
+    def _hc_post_reads(self, box: str) -> tuple:
+        """The coefficient box a task that runs hc_post waits on (none in the NextN block: no mHC there)."""
+        return () if getattr(self, "NEXTN", False) else (box,)
 
     def _graph_oproj(self, g, row_bytes: int) -> None:
         """o_proj tiles (row_bytes: bytes of one weight row); TP > 1: the exchange and the rank sums."""
         H, W, BN, tp = self.H, self.width, self.block_n, self.tp_size
         g.stage("o_proj")
         if tp == 1:
-            self._gemv_stage(g, "oproj", H, row_bytes, ("o",), ("hp2",), "hp2")
+            self._gemv_stage(g, "oproj", H, row_bytes, ("o",) + self._hc_post_reads("cf1"), ("hp2",), "hp2")
         else:
             ranges = self._gemv_stage(g, "oproj", H, row_bytes, ("o",), ("xo",), None, ret_ranges=True)
             self._peers(g, "peer_o", ranges, "xo")
             g.stage("o_sum")
             for s, (t0, n) in enumerate(ranges):
-                g.add("post1", (t0, n, s), reads=("xo",), writes=("hp2",), nbytes=tp * W * n * BN * 8)
+                g.add("post1", (t0, n, s), reads=("xo",) + self._hc_post_reads("cf1"), writes=("hp2",),
+                      nbytes=tp * W * n * BN * 8)
             self.n_box["hp2"] = len(ranges)
 
     def _graph_gate_ffn(self, g) -> None:
@@ -297,6 +310,7 @@ class KdaLayerLaunch(Launch):
                 g.add("gate2", (t * self.gate_bh, r * n_gate + t, r), reads=("hp2",), writes=("a",),
                       nbytes=4 * self.gate_bh * 4)
         self.n_box["a"] = W * n_gate
+        self._coef_tasks(g, "coef2", "hp2", "cf2")
 
     def _ffn_graph(self, g: TaskGraph, wb: int) -> None:
         H, tp, BN, W = self.H, self.tp_size, self.block_n, self.width
@@ -306,9 +320,9 @@ class KdaLayerLaunch(Launch):
         self.n_box["h"] = self._act_tasks(g, 0)
         g.stage("down")
         if tp == 1:
-            self._gemv_stage(g, "down", H, self.I * wb, ("h",), (), None)
+            self._gemv_stage(g, "down", H, self.I * wb, ("h", "cf2"), (), None)
         else:
-            ranges = self._gemv_stage(g, "down", H, self.I * wb, ("h",), ("xd",), None, ret_ranges=True)
+            ranges = self._gemv_stage(g, "down", H, self.I * wb, ("h", "cf2"), ("xd",), None, ret_ranges=True)
             self._peers(g, "peer_d", ranges, "xd")
             g.stage("down_sum")
             for (t0, n) in ranges:

@@ -25,7 +25,7 @@ from sync.device import await_pairs, publish_pairs, trace_mark
 
 from ..kernels.kda import (kda_head_finish, kda_lowrank, kda_norm_apply, kda_norm_block, kda_state_prefetch,
                            kda_store_o)
-from ..kernels.mhc import hc_derive, hc_join, hc_store_coef, hc_weights
+from ..kernels.mhc import hc_derive, hc_join, hc_pre_rstd, hc_store_coef, hc_weights
 
 SLOT_W: tl.constexpr = tl.constexpr(40)       # kernels/mhc.py HC_SLOT
 
@@ -49,12 +49,13 @@ def embed_gather(tokens, embed_w, x0, rows, c0, c1, H: tl.constexpr, BLOCK_C: tl
 
 
 @triton.jit
-def gate_row(X, part, n_parts, base, scale, ln_w, coef, a, r, rows, c0, write_coef, eps, hc_eps, hdr, cta,
-             H: tl.constexpr, ROWS_PAD: tl.constexpr, ITERS: tl.constexpr, BLOCK_H: tl.constexpr):
+def gate_row(X, part, n_parts, base, scale, ln_w, a, r, rows, c0, eps, hc_eps, hdr, cta, H: tl.constexpr,
+             ROWS_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
     """Gate-row tile [c0, c0 + BLOCK_H) of row r (nothing for a pad row r >= rows): join the hc_pre
-    partial slots (task order), run the Sinkhorn, a[r, c] = rms_norm(sum_j pre[j] X[r, j, c]) * ln_w[c];
-    with write_coef also the coefficient row coef[r] (pre | post | comb) that hc_post reads. The norm
-    weight and the X tile are loaded first, so their round trip overlaps the join's."""
+    partial slots (task order), a[r, c] = rms_norm(sum_j pre[j] X[r, j, c]) * ln_w[c]. No Sinkhorn: the
+    row needs only pre and rstd; hc_post's post / comb come from the coef task (coef_row), off this
+    stage's critical path. The norm weight and the X tile are loaded first, so their round trip
+    overlaps the join's."""
     if r < rows:
         i4 = tl.arange(0, 4)
         offs = c0 + tl.arange(0, BLOCK_H)
@@ -64,13 +65,23 @@ def gate_row(X, part, n_parts, base, scale, ln_w, coef, a, r, rows, c0, write_co
         w = hc_weights(base, scale)
         j = hc_join(part + r * SLOT_W, ROWS_PAD * SLOT_W, n_parts)
         trace_mark(hdr, cta, 1)                                      # the join's loads are in
-        pre, post, comb, rstd = hc_derive(w, j, H, eps, hc_eps, ITERS)
-        trace_mark(hdr, cta, 2)                                      # the Sinkhorn is done
-        if write_coef != 0:
-            hc_store_coef(coef + r * 24, pre, post, comb)
+        pre, rstd = hc_pre_rstd(w, j, H, eps, hc_eps)
+        trace_mark(hdr, cta, 2)                                      # pre and rstd
         g = tl.sum(pre[:, None] * Xr, axis=0) * rstd * lnw          # hc_gate_tile's operations, in its order
         tl.store(a + r * H + offs, g.to(a.dtype.element_ty), mask=m)
         trace_mark(hdr, cta, 3)                                      # the row tile is stored
+
+
+@triton.jit
+def coef_row(part, n_parts, base, scale, coef, r, rows, eps, hc_eps, H: tl.constexpr, ROWS_PAD: tl.constexpr,
+             ITERS: tl.constexpr):
+    """Row r's mHC coefficients (pre | post | comb, the Sinkhorn) from the joined hc_pre partial slots ->
+    coef[r] (hc_store_coef's layout, what hc_post reads); nothing for a pad row. The gate tasks of the
+    same row run the same join and pre, so both get the same bits."""
+    if r < rows:
+        pre, post, comb, rstd = hc_derive(hc_weights(base, scale), hc_join(part + r * SLOT_W, ROWS_PAD * SLOT_W,
+                                                                           n_parts), H, eps, hc_eps, ITERS)
+        hc_store_coef(coef + r * 24, pre, post, comb)
 
 
 @triton.jit

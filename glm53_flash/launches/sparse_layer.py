@@ -30,13 +30,14 @@ from sync.device import launch_begin, launch_end, trace_clock, trace_cycles, tra
 from ..kernels.indexer import idx_score_pools, topk_hist_pass, topk_write
 from ..kernels.mla import mla_absorb_finish, mla_absorb_prefetch, mla_attend_2pass, mla_join_out, mla_out_prefetch
 from .ffn import (B_A, B_AIN, B_HP2, B_O, COMMON_BOXES, COMMON_ROWS, M_A, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO,
-                  M_XMID, act_at, f32_at, gate_task, hc_pre_task, i32_at, l2_prefetch_rows, meta_layout, oproj_task,
-                  peer_task, post1_task, signal, task_entry, waitb)
+                  M_XMID, act_at, coef_task, f32_at, gate_task, hc_pre_task, i32_at, l2_prefetch_rows, meta_layout,
+                  oproj_task, peer_task, post1_task, signal, task_entry, waitb)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
 from .mixer_dsa import dsa_norm_row, gemv_tiles, rms_row
 
 FAMILIES = with_ffn_families({"part": 0, "gate1": 1, "mat_a": 2, "dsa_norm": 3, "mat_q": 4, "absorb": 5, "score": 6,
                                "hist": 7, "select": 8, "attend": 9, "join": 10, "oproj": 11, "post1": 12, "gate2": 13,
+                               "coef1": 14, "coef2": 15,
                                "peer_o": 19, "peer_d": 20, "eh_in": 21, "eh": 22, "ln_row": 23})
 BOXES = COMMON_BOXES + ("ya", "qr", "q", "ql", "hs0", "hs1", "hs2", "hs3", "idx", "att", "ein", "x", "z")
 ROWS_REGIONS = COMMON_ROWS + ("ya", "qr_rows", "yq", "qlat", "scores", "hist", "idx_rows", "pm", "pl", "pacc", "sbuf",
@@ -106,8 +107,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
             elif fam == 1:                                 # gate1: columns [a0, a0 + GATE_BH), producer a1
                 if not NEXTN:
                     ok, rdy = gate_task(X, base1, scale1, ln1, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr,
-                                        timeout_ns, fault_site, eps, hc_eps, False, H, ROWS_PAD, ITERS, GATE_BH,
-                                        ACT_F32)
+                                        timeout_ns, fault_site, eps, hc_eps, False, H, ROWS_PAD, GATE_BH, ACT_F32)
             elif fam == 2:                                 # mat_a: matrix a0 (q_a, kv_a, ix), tiles a1 .., producer a3
                 xin = act_at(scratch, meta, M_AIN, ACT_F32)
                 ya = f32_at(scratch, meta, M_YA)
@@ -236,13 +236,19 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                                      tp_rank, tp_size, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, H, DO,
                                      ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, BLOCK_C, ACT_F32, NEXTN)
             elif fam == 12:                                # post1: rank sum of tiles a0 .., producer a2
-                ok = post1_task(_mixer_in(X, scratch, meta, NEXTN), fn2, xo, scratch, meta, rows, width, tp_rank,
-                                tp_size, a0, a1, a2, pid, tag, hdr, timeout_ns, fault_site, H, ROWS_PAD, BLOCK_N,
-                                BLOCK_C, NEXTN)
+                ok, rdy = post1_task(_mixer_in(X, scratch, meta, NEXTN), fn2, xo, scratch, meta, rows, width, tp_rank,
+                                     tp_size, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, H, ROWS_PAD,
+                                     BLOCK_N, BLOCK_C, NEXTN)
             elif fam == 13:                                # gate2: columns [a0, a0 + GATE_BH), producer a1
                 ok, rdy = gate_task(f32_at(scratch, meta, M_XMID), base2, scale2, ln2, scratch, meta, rows, a0, a1,
                                     a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, True, H, ROWS_PAD,
-                                    ITERS, GATE_BH, ACT_F32)
+                                    GATE_BH, ACT_F32)
+            elif fam == 14:                                # coef1: row a0's hc_post coefficients, producer a1
+                ok, rdy = coef_task(base1, scale1, scratch, meta, rows, a0, a1, rdy, pid, tag, hdr, timeout_ns,
+                                    fault_site, eps, hc_eps, False, H, ROWS_PAD, ITERS)
+            elif fam == 15:                                # coef2
+                ok, rdy = coef_task(base2, scale2, scratch, meta, rows, a0, a1, rdy, pid, tag, hdr, timeout_ns,
+                                    fault_site, eps, hc_eps, True, H, ROWS_PAD, ITERS)
             elif fam == 19:                                # peer_o (loopback): rank a0's tiles a1 .. a1 + a2 - 1
                 peer_task(xo, peer_o, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, tag, fault_site,
                           M_SITE_XO, H, ROWS_PAD, BLOCK_N)
