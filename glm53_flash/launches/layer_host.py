@@ -24,7 +24,7 @@ import triton
 from layout import Planner
 
 from .. import tp as tp_mod
-from ..schedule import TaskGraph, choose_k_split
+from ..schedule import TASK_COST_FLOOR, TaskGraph, choose_k_split
 from ..weights import PREFIX, weight_specs
 from .base import Launch, check_rank_width, run_interleaved
 from .ffn import BOX_BASE_H as BOX_BASE
@@ -279,8 +279,10 @@ class KdaLayerLaunch(Launch):
     def _coef_tasks(self, g, fam: str, reads: str, box: str) -> None:
         """One task per row: the row's hc_post coefficients (the Sinkhorn), beside the gate tasks of the
         same stage (placement puts them on CTAs of their own); hc_post waits on the box."""
+        # cost: its time, not its 10 KB: the Sinkhorn's ~10-14 us (traced, H200) ~ 5 task floors. At its bytes
+        # the placement gave its CTA an in_proj tile next, which then started 14 us late and ended the stage
         for r in range(self.width):
-            g.add(fam, (r, r), reads=(reads,), writes=(box,), nbytes=self.npart1 * 40 * 4)
+            g.add(fam, (r, r), reads=(reads,), writes=(box,), nbytes=self.npart1 * 40 * 4 + 5 * TASK_COST_FLOOR)
         self.n_box[box] = self.width
 
     def _hc_post_reads(self, box: str) -> tuple:
