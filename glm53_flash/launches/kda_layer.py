@@ -7,7 +7,8 @@ tagged pairs across TP ranks; every wait is a named site `<kind>.<region>`):
   0 hc_pre    column tiles of the 4 streams -> hc_pre partial slots (24 GEMV sums + Gram matrix);
               embed: the task first gathers its columns of the embedding rows into 4 streams (x0).
   1 gate_in   [waits hp1] (row, column tile) of the attention gate row a_in (bf16): each task joins the
-              slots and runs the Sinkhorn itself; tile 0 also stores the coefficients (coef1).
+              slots for pre and rstd (no Sinkhorn). coef1 (one task per row, on a CTA of its own): the same
+              join, the Sinkhorn -> coef1 (pre | post | comb), box cf1; hc_post waits on cf1.
   2 inproj    [waits a_in] GEMV tiles of the fused q|k|v|b|f_a|g_a rows, split-K into KS_IN slices
               (schedule.py choose_k_split) -> yin planes [KS_IN, width, N_IN] fp32; the tiles' first lines
               move toward L2 before the wait; the KDA tasks join the planes in plane order.
@@ -19,13 +20,14 @@ tagged pairs across TP ranks; every wait is a named site `<kind>.<region>`):
               columns (X -> xmid) fused with the FFN hc_pre partials of the same columns (hp2).
               TP > 1: the partial tile goes to every rank's exchange slot (tagged pairs, xo) and
   4b o_sum    [waits xo] the tile's owner sums the ranks' partials in rank order, then as above.
-  5 gate_ffn  [waits hp2] FFN gate row a (bf16) and coef2, as gate_in.
+  5 gate_ffn  [waits hp2] FFN gate row a (bf16), and coef2 -> box cf2, as gate_in; the FFN's hc_post
+              tasks (down at TP 1, moe_down / down_join) wait on cf2 before they publish xd or X_out.
   6 gate_up   [waits a] gate|up tile pairs, K slices -> raw partial planes (hg); kda: the MoE stages
               instead (launches/kda.py, launches/ffn_tasks.py)
   6b act      [waits hg] the planes joined, clamped SwiGLU -> h (bf16).
   7 down      [waits h] GEMV tiles; TP 1: hc_post of the tile's columns -> X_out. TP > 1: xd, and
   7b down_sum [waits xd] rank-order sum, hc_post -> X_out.
-Data read after a wait but written earlier than the region waited on (coef1 / coef2, x0, xmid) is
+Data read after a wait but written earlier than the region waited on (x0, xmid) is
 ordered by the chain of release/acquire hand-offs in between (happens-before is transitive).
 Pad rows (rows <= r < width) compute nothing and write nothing, but their tasks still signal.
 A fault anywhere on one rank reaches every rank: the last exchange (xd) follows every local site, so a

@@ -3,7 +3,7 @@ then the MoE FFN, both inside mHC). Host side: launches/sparse.py. The mHC, o_pr
 are the KDA layer kernel's: the same noinline task functions (launches/ffn.py), the same meta layout
 for their regions and boxes; the mixer branches are new (their GEMV tiles and row norms are calls). Stages (every hand-off is plain rows + a box; every wait a site `sparse.<region>`):
   0 hc_pre     column tiles of the streams -> hc_pre partial slots                       -> hp1
-  1 gate_in    [hp1] gate row a_in (bf16) + coef1                                         -> a_in
+  1 gate_in    [hp1] gate row a_in (bf16); coef1 task: Sinkhorn -> coef1 (hc_post waits cf1) -> a_in, cf1
   2 qkv_a      [a_in] GEMV tiles of q_a (QL) | kv_a (C) | wk, kpool gate, weights_proj -> ya (fp32)
   3 dsa_norm   [ya] per row: q_resid (bf16); latent c -> cache[slot, pos]; LayerNorm'd key | gate
                -> tail ring row pos % KP; pooled key when pos completes a pool              -> qr
