@@ -1,4 +1,4 @@
-"""Command line: `python -m glm53_flash {make-checkpoint,generate,demo,sites} ...` (each has --help).
+"""Command line: `python -m glm53_flash {make-checkpoint,generate,demo,sites,dump,compare} ...` (each has --help).
 
 Heavy modules (torch, triton, kernels) are imported only after the arguments are parsed, because
 TRITON_INTERPRET must be set before any @triton.jit function is defined when running on the CPU.
@@ -92,6 +92,30 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Lists the numbered wait sites of a launch kind in schedule order "
                                    "(names accepted by --inject-fault KIND:SITE).")
     s.add_argument("--launch", required=True, help="launch kind, e.g. tail")
+
+    du = sub.add_parser("dump", help="bitwise dump of every launch kind's outputs and scratch on fixed inputs",
+                        description="Runs fixed (seeded) inputs through each launch kind at each width and writes "
+                                    "every output and every scratch region, one file per (kind, width), with a "
+                                    "manifest (shapes, dtypes, commit, build). Compare two dumps with `compare`.")
+    du.add_argument("--out", required=True, help="output directory (created; must be empty or absent)")
+    du.add_argument("--kinds", type=_kinds, default=["embed", "dense", "kda", "sparse", "nextn", "tail"],
+                    metavar="KIND,...", help="launch kinds (default: embed,dense,kda,sparse,nextn,tail)")
+    du.add_argument("--tp", type=int, default=1, help="TP degree; rank 0 runs, the others are loopback peers")
+    du.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",") if w], default=[1, 2, 4, 8],
+                    metavar="W,...", help="batch widths (default 1,2,4,8)")
+    du.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="weight format (bf16 only so far)")
+    du.add_argument("--preset", default="tiny", help="config preset (default tiny)")
+    du.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: kernels run under the Triton interpreter; cuda: natively on the GPU")
+    du.add_argument("--seed", type=int, default=0, help="weights and inputs seed")
+    du.add_argument("--pos", type=int, default=27, help="decode position of the sparse / nextn launches")
+
+    c = sub.add_parser("compare", help="compare two dumps byte for byte (exit 1 on any difference)",
+                       description="Checks two `dump` directories byte for byte: lists every differing tensor "
+                                   "with its first differing index and its count of differing elements, and "
+                                   "files or tensors only one side has. Exit status 0: identical; 1: different.")
+    c.add_argument("a", help="first dump directory")
+    c.add_argument("b", help="second dump directory")
     return p
 
 
@@ -181,12 +205,28 @@ def cmd_sites(a) -> int:
     return 0
 
 
+def cmd_dump(a) -> int:
+    from .dump import dump
+    man = dump(a.out, a.kinds, a.tp, a.widths, a.weights, a.preset, a.device, seed=a.seed, pos=a.pos)
+    print(f"wrote {len(man['files'])} files to {a.out} (commit {man['commit']})")
+    return 0
+
+
+def cmd_compare(a) -> int:
+    from .dump import compare
+    diffs = compare(a.a, a.b)
+    for d in diffs:
+        print(d)
+    print(f"{len(diffs)} differences" if diffs else "identical")
+    return 1 if diffs else 0
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     _prepare_device(getattr(a, "device", "cpu"))
     try:
         return {"make-checkpoint": cmd_make_checkpoint, "generate": cmd_generate, "demo": cmd_demo,
-                "sites": cmd_sites}[a.cmd](a)
+                "sites": cmd_sites, "dump": cmd_dump, "compare": cmd_compare}[a.cmd](a)
     except (ValueError, FileNotFoundError) as e:   # ConfigError/CheckpointError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,176 @@
+"""Bitwise dumps of the launches and their comparison (`python -m glm53_flash dump / compare`).
+
+A change that claims "same bits" shows it here: `dump` runs fixed inputs (seeded, the same for every
+build) through each launch kind at each width and writes every output and every scratch region the
+launch holds after it, one file per (kind, width) plus a manifest; `compare A B` checks two dumps byte
+for byte and names each differing tensor with its first differing index and the number of differing
+elements.
+
+Weights are `weights.RandomWeights(cfg, seed)` (the values of a checkpoint made with that seed), sliced
+to the rank like a checkpoint; rank 0 of a loopback TP group runs (the other ranks' exchange partials
+come from the loopback peers). Every launch object is new, so its epoch starts at 0 and the tags in the
+box words are the same in every dump of the same build. The tail runs at TP 1 only (its loopback
+peers are not built here).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+KINDS = ("embed", "dense", "kda", "sparse", "nextn", "tail")
+MANIFEST = "manifest.json"
+
+
+def _commit() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + (" + uncommitted" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _inputs(kind, cfg, width, device, seed, pos):
+    """The fixed inputs of one (kind, width): seeded by (seed, kind, width), the same for every build."""
+    import torch
+    g = torch.Generator(device="cpu").manual_seed(seed * 1000003 + KINDS.index(kind) * 101 + width)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(device)             # noqa: E731
+    if kind == "tail":
+        return {"X": rnd(width, cfg.hc_mult, cfg.hidden_size)}
+    if kind in ("embed", "dense", "kda"):
+        return {"X": torch.randint(0, cfg.vocab_size, (width,), generator=g).to(device) if kind == "embed"
+                else rnd(width, cfg.hc_mult, cfg.hidden_size)}
+    pos_max = -(-(pos + 2) // cfg.index_kpool) * cfg.index_kpool
+    d = {"lat": rnd(width, pos_max, cfg.kv_lora_rank).bfloat16(),
+         "pk": rnd(width, pos_max // cfg.index_kpool, cfg.index_head_dim).bfloat16(),
+         "tr": rnd(width, cfg.index_kpool, 2 * cfg.index_head_dim), "pos_max": pos_max,
+         "positions": [max(1, pos - 3 * r) for r in range(width)]}
+    if kind == "nextn":
+        d.update(X=rnd(width, cfg.hidden_size), tok=torch.randint(0, cfg.vocab_size, (width,), generator=g).to(device))
+    else:
+        d.update(X=rnd(width, cfg.hc_mult, cfg.hidden_size))
+    return d
+
+
+def _run(kind, cfg, src, tp, width, device, seed, pos):
+    """One launch of `kind` on fixed inputs -> (launch, {output name: tensor})."""
+    import torch
+
+    from .launches.dense import DenseLaunch
+    from .launches.embed import EmbedLaunch
+    from .launches.kda import KdaLaunch
+    from .launches.nextn import NextnLaunch
+    from .launches.sparse import SparseLaunch
+    from .launches.tail import TailLaunch
+    from .weights import LM_HEAD, PREFIX
+    x = _inputs(kind, cfg, width, device, seed, pos)
+    if kind == "tail":
+        if tp != 1:
+            raise ValueError("dump: the tail runs at --tp 1 only (its loopback peers are not built here)")
+        L = TailLaunch(cfg, src[LM_HEAD].to(device), src[PREFIX + "norm.weight"].to(device), width=width,
+                       device=device)
+        logits, tokens = L.run(x["X"])
+        return L, {"logits": logits, "tokens": tokens}
+    if kind in ("embed", "dense", "kda"):
+        cls = {"embed": EmbedLaunch, "dense": DenseLaunch, "kda": KdaLaunch}[kind]
+        layer = next(p.index for p in cfg.layers if p.launch == kind)
+        L = cls(cfg, src, layer, tp_rank=0, tp_size=tp, width=width, device=device)
+        g = torch.Generator(device="cpu").manual_seed(seed + 17 * width)
+        S = (0.1 * torch.randn(width, L.NH, L.DK, L.DK, generator=g)).to(device)
+        W = torch.randn(width, L.KC - 1, 3 * L.D, generator=g).to(device)
+        out = L.run(x["X"], S, W, commit=False)
+        return L, {"X_out": out, "S_out": L.S_out[:width], "W_out": L.W_out[:width]}
+    kw = dict(tp_rank=0, tp_size=tp, width=width, device=device, max_len=x["pos_max"])
+    if kind == "nextn":
+        L = NextnLaunch(cfg, src, **kw)
+        res = L.run(x["X"], x["tok"], x["lat"], x["pk"], x["tr"], x["positions"])
+    else:
+        layer = next(p.index for p in cfg.layers if p.launch == "sparse")
+        L = SparseLaunch(cfg, src, layer, **kw)
+        res = L.run(x["X"], x["lat"], x["pk"], x["tr"], x["positions"])
+    outs = res if isinstance(res, (tuple, list)) else (res,)
+    return L, {f"out{i}": t for i, t in enumerate(outs) if isinstance(t, torch.Tensor)}
+
+
+def dump(out_dir: str, kinds, tp: int, widths, weights: str, preset_name: str, device: str, seed: int = 0,
+         pos: int = 27, log=print) -> dict:
+    """Write every (kind, width)'s outputs and scratch regions under out_dir -> the manifest."""
+    import torch
+
+    from .config import preset
+    from .weights import RandomWeights
+    for k in kinds:
+        if k not in KINDS:
+            raise ValueError(f"dump: unknown launch kind {k!r}; kinds: {', '.join(KINDS)}")
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise ValueError(f"dump: {out_dir} exists and is not empty")
+    if weights != "bf16":
+        raise ValueError(f"dump: --weights {weights}: only bf16 is built here so far (RandomWeights)")
+    cfg = preset(preset_name)
+    src = RandomWeights(cfg, seed=seed, cache=True)
+    os.makedirs(out_dir, exist_ok=True)
+    man = {"commit": _commit(), "preset": preset_name, "tp": tp, "weights": weights, "device": device, "seed": seed,
+           "pos": pos, "files": {}}
+    for kind in kinds:
+        for w in widths:
+            L, outs = _run(kind, cfg, src, tp, w, device, seed, pos)
+            tensors = {f"out.{n}": t.detach().cpu().clone() for n, t in outs.items()}
+            for r in L.layout.regions:
+                if r.kind != "canary":
+                    tensors[f"scratch.{r.name}"] = L.layout.view(L.scratch, r.name).cpu().clone()
+            name = f"{kind}_w{w}.pt"
+            torch.save(tensors, os.path.join(out_dir, name))
+            man["files"][name] = {"kind": kind, "width": w, "grid": L.grid, "build": f"{kind}-tp{tp}-w{w}-{weights}",
+                                  "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+                                              for n, t in tensors.items()}}
+            log(f"dumped {kind} width {w}: {len(tensors)} tensors -> {name}")
+    with open(os.path.join(out_dir, MANIFEST), "w") as f:
+        json.dump(man, f, indent=1, sort_keys=True)
+    return man
+
+
+def compare(a_dir: str, b_dir: str) -> list[str]:
+    """Byte-for-byte comparison of two dumps -> one line per difference (empty: identical)."""
+    import torch
+    mans = []
+    for d in (a_dir, b_dir):
+        p = os.path.join(d, MANIFEST)
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"compare: {d} is not a dump (no {MANIFEST})")
+        with open(p) as f:
+            mans.append(json.load(f))
+    diffs = []
+    fa, fb = mans[0]["files"], mans[1]["files"]
+    for name in sorted(set(fa) ^ set(fb)):
+        diffs.append(f"{name}: only in {'A' if name in fa else 'B'}")
+    for name in sorted(set(fa) & set(fb)):
+        gone = [s for s, d in (("A", a_dir), ("B", b_dir)) if not os.path.exists(os.path.join(d, name))]
+        if gone:
+            diffs.append(f"{name}: in the manifest but missing from {' and '.join(gone)}")
+            continue
+        ta = torch.load(os.path.join(a_dir, name))
+        tb = torch.load(os.path.join(b_dir, name))
+        for n in sorted(set(ta) ^ set(tb)):
+            diffs.append(f"{name} {n}: only in {'A' if n in ta else 'B'}")
+        for n in sorted(set(ta) & set(tb)):
+            x, y = ta[n], tb[n]
+            if x.shape != y.shape or x.dtype != y.dtype:
+                diffs.append(f"{name} {n}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}")
+                continue
+            if x.numel() == 0:
+                continue
+            # element-wise over the raw bits (NaNs compare by their bits, -0.0 differs from 0.0)
+            ex = x.reshape(-1).view(torch.uint8).reshape(x.numel(), -1)
+            ey = y.reshape(-1).view(torch.uint8).reshape(y.numel(), -1)
+            bad = (ex != ey).any(-1)
+            nbad = int(bad.sum())
+            if nbad:
+                first = int(bad.nonzero()[0, 0])
+                idx = list(torch.unravel_index(torch.tensor(first), x.shape)) if x.dim() else []
+                diffs.append(f"{name} {n}: {nbad} of {x.numel()} elements differ, first at "
+                             f"{tuple(int(i) for i in idx)} (flat {first}): {x.reshape(-1)[first].item()!r} vs "
+                             f"{y.reshape(-1)[first].item()!r}")
+    return diffs
