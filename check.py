@@ -13,6 +13,7 @@ outputs for the same inputs. Checked, each counted as one check:
   ids equal where both give them.
 `report()` gives "N checks, M violations" and the metrics table. Usage:
     GLM53_MONO_CHECK=1 python -m glm53_flash generate --checkpoint DIR --prompt 3,17,42 --max-new-tokens 8
+    python check.py --preset tiny --steps 4           (a random checkpoint; exit 1 on any violation)
 """
 from __future__ import annotations
 
@@ -118,22 +119,50 @@ def hook(checker: MonoCheck):
 
 
 def main(argv=None) -> int:
-    """`python check.py --checkpoint DIR [--prompt ...] [--max-new-tokens N] [--device cpu|cuda]`:
-    a greedy decode with every launch checked; exit 1 on any violation."""
+    """`python check.py [--checkpoint DIR | --preset P [--weights W]] [--steps N] [--device cpu|cuda]`: a greedy
+    decode with every launch checked; prints "N checks, M violations" and the metrics table; exit 1 on any
+    violation, 2 on bad input."""
     import argparse
-    p = argparse.ArgumentParser(description="Decode with MONO_CHECK invariants after every launch.")
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--prompt", default="3,17,42,7,99")
-    p.add_argument("--max-new-tokens", type=int, default=4)
+    import sys
+    import tempfile
+    p = argparse.ArgumentParser(description="Decode with MONO_CHECK invariants after every launch: the error "
+                                            "record, canaries, mailbox and box tags, finite outputs and the "
+                                            "relative error against the torch reference.")
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint directory (default: a random checkpoint of --preset in a temporary directory)")
+    p.add_argument("--preset", default="tiny", help="config preset of the random checkpoint (default tiny)")
+    p.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="format of the random checkpoint")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random checkpoint")
+    p.add_argument("--prompt", default="3,17,42,7,99", help="comma-separated token ids")
+    p.add_argument("--steps", "--max-new-tokens", dest="steps", type=int, default=4, help="decode steps (tokens)")
+    p.add_argument("--kernels", default=None, metavar="KIND,...",
+                   help="only these launch kinds run as kernels (default: every kind the runner drives)")
+    p.add_argument("--tp", type=int, default=1, help="TP degree (1: the runner has no TP / batched rows yet)")
+    p.add_argument("--rows", type=int, default=1, help="decode rows (1, as --tp)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     a = p.parse_args(argv)
+    if a.tp != 1 or a.rows != 1:
+        print("check.py: --tp / --rows other than 1 need the batched TP runner (issue 13); the runner decodes "
+              "one row at TP 1 today", file=sys.stderr)
+        return 2
+    if a.steps < 1:
+        print(f"check.py: --steps {a.steps}: need at least 1", file=sys.stderr)
+        return 2
     if a.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from glm53_flash.runner import Runner
-    r = Runner(a.checkpoint, device=a.device)
-    checker = MonoCheck()
-    r.hooks.append(hook(checker))
-    res = r.generate([int(t) for t in a.prompt.split(",")], a.max_new_tokens)
+    with tempfile.TemporaryDirectory(prefix="check_ckpt_") as tmp:
+        ckpt = a.checkpoint
+        if ckpt is None:
+            from glm53_flash.checkpoint import make_random_checkpoint
+            from glm53_flash.config import preset
+            ckpt = os.path.join(tmp, a.preset)
+            make_random_checkpoint(preset(a.preset), ckpt, seed=a.seed, weights=a.weights, progress=False)
+        kinds = [k for k in a.kernels.split(",") if k] if a.kernels else None
+        r = Runner(ckpt, device=a.device, kinds=kinds)
+        checker = MonoCheck()
+        r.hooks.append(hook(checker))
+        res = r.generate([int(t) for t in a.prompt.split(",")], a.steps)
     print("tokens:", ",".join(map(str, res.tokens)))
     print(checker.report())
     return 1 if checker.violations else 0

@@ -52,3 +52,18 @@ def test_planted_faults_are_counted(runner):
     c.ids("tail", torch.tensor([3]), torch.tensor([4]))
     assert len(c.violations) >= 5
     tail.scratch[canary.offset // 4] ^= 1          # restore for other tests
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_command_on_a_random_checkpoint(weights, capsys):
+    """`python check.py --preset tiny --steps N`: makes the checkpoint itself, prints the count line and the
+    metrics table, exit 0 when clean."""
+    assert check.main(["--preset", "tiny", "--weights", weights, "--steps", "1", "--prompt", "3,17",
+                       "--kernels", "tail"]) == 0
+    out = capsys.readouterr().out
+    assert "checks, 0 violations" in out and "tail       logits" in out
+
+
+def test_command_bad_input(capsys):
+    assert check.main(["--tp", "2"]) == 2 and "issue 13" in capsys.readouterr().err
+    assert check.main(["--steps", "0"]) == 2 and "--steps 0" in capsys.readouterr().err
