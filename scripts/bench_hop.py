@@ -31,20 +31,17 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from sync.asm import fence_acq_rel, globaltimer, ld_relaxed_u32, signal_warp0, tid_x  # noqa: E402
+from sync.asm import (fence_acq_rel, globaltimer, ld_relaxed_u32, line_loads_ptx, line_match_ptx,  # noqa: E402
+                      signal_warp0, tid_x)
 from sync.device import release_cta, signal_box, staggered_budget, store_words, wait_box  # noqa: E402
 from sync.header import H_ABORT, HEADER_WORDS  # noqa: E402
 
 
 def _line_match_ptx() -> str:
     # the 8bea23a^ helper: bit i set when word i of a 128-byte line equals the tag
-    a = ["{", ".reg .b32 %lw<32>;", ".reg .b32 %lm, %lb;", ".reg .pred %lq;"]
-    for v in range(8):
-        a.append(f"ld.relaxed.gpu.global.v4.u32 {{{','.join(f'%lw{4 * v + j}' for j in range(4))}}}, [$1+{16 * v}];")
-    a.append("mov.u32 %lm, 0;")
-    for i in range(32):
-        a += [f"setp.eq.u32 %lq, %lw{i}, $2;", f"selp.u32 %lb, {1 << i}, 0, %lq;", "or.b32 %lm, %lm, %lb;"]
-    a += ["mov.u32 $0, %lm;", "}"]
+    w = [f"%lw{i}" for i in range(32)]
+    a = ["{", f".reg .b32 {', '.join(w)};", ".reg .b32 %lm, %lb;", ".reg .pred %lq;"]
+    a += line_loads_ptx(w, "$1") + line_match_ptx(w, "$2", "%lm", "%lb", "%lq") + ["mov.u32 $0, %lm;", "}"]
     return "\n".join(a)
 
 
@@ -52,14 +49,8 @@ LINE_MATCH: tl.constexpr = tl.constexpr(_line_match_ptx())
 
 
 def _spin_all_ptx() -> str:
-    # the 8bea23a poll: every thread polls a line, each loads the abort word every cycle
-    # The whole poll loop of one thread, in one asm statement: no loop-carried value reaches the compiler
-    # (with the loop in Triton, a returned outcome cost the kernel ~400 B of call-boundary spills at 128
-    # registers, ptxas -v). Thread t polls lines t, t + nthreads, ... of the block; a line is 8 independent
-    # 16-byte relaxed loads (they pipeline; acquire loads would serialise and each invalidate L1), issued
-    # with this cycle's abort-word load, so a cycle costs one round trip. Labels inside { } are local to
-    # the statement (CUTLASS's mbarrier waits rely on the same), so it may appear any number of times.
-    # A vector load is not atomic as a whole; that is fine, every word is checked on its own.
+    # the 8bea23a poll: thread t polls lines t, t + nthreads, ... of the block and loads the abort word
+    # every cycle, in the same round trip as its line
     # $0 live (out) | $1 block | $2 n_prod | $3 tag | $4 abort word | $5 budget ns | $6 threads per CTA
     w = [f"%sw{i}" for i in range(32)]
     a = ["{", ".reg .pred %sp<4>;", f".reg .b32 {', '.join(w)};",
@@ -72,16 +63,13 @@ def _spin_all_ptx() -> str:
          "mul.wide.u32 %sa, %sline, 128;",
          "add.u64 %sa, %sa, $1;",
          "ld.relaxed.gpu.global.u32 %sab, [$4];"]
-    for v in range(8):
-        a.append(f"ld.relaxed.gpu.global.v4.u32 {{{', '.join(w[4 * v: 4 * v + 4])}}}, [%sa+{16 * v}];")
+    a += line_loads_ptx(w, "%sa")
     a += ["sub.s32 %swant, $2, %sfirst;",              # words of this line that have a producer
           "setp.ge.s32 %sp1, %swant, 32;",
           "shl.b32 %sm, 1, %swant;",
           "sub.u32 %sm, %sm, 1;",
-          "selp.b32 %sm, -1, %sm, %sp1;",
-          "mov.u32 %sacc, 0;"]
-    for i in range(32):
-        a += [f"setp.eq.u32 %sp2, {w[i]}, $3;", f"selp.u32 %sb, {1 << i}, 0, %sp2;", "or.b32 %sacc, %sacc, %sb;"]
+          "selp.b32 %sm, -1, %sm, %sp1;"]
+    a += line_match_ptx(w, "$3", "%sacc", "%sb", "%sp2")
     a += ["and.b32 %sacc, %sacc, %sm;",
           "setp.eq.u32 %sp2, %sacc, %sm;",
           "@!%sp2 bra SPIN_STALE;",

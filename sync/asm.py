@@ -87,6 +87,22 @@ def fence_acq_rel():
                                      is_pure=False, pack=1)
 
 
+def line_loads_ptx(w: list[str], addr: str) -> list[str]:
+    """PTX: the 128-byte box line at [addr] into the 32 registers w, as 8 independent 16-byte relaxed loads
+    (they pipeline; acquire loads would serialise and each invalidate L1). A vector load is not atomic as a
+    whole; that is fine, every word is checked on its own (line_match_ptx)."""
+    return [f"ld.relaxed.gpu.global.v4.u32 {{{', '.join(w[4 * v: 4 * v + 4])}}}, [{addr}+{16 * v}];" for v in range(8)]
+
+
+def line_match_ptx(w: list[str], tag: str, acc: str, bit: str, pred: str) -> list[str]:
+    """PTX: acc = the bitmask of the registers w that equal tag (bit i for w[i])."""
+    a = [f"mov.u32 {acc}, 0;"]
+    for i in range(32):
+        a += [f"setp.eq.u32 {pred}, {w[i]}, {tag};", f"selp.u32 {bit}, {1 << i}, 0, {pred};",
+              f"or.b32 {acc}, {acc}, {bit};"]
+    return a
+
+
 def _spin_warp0_ptx() -> str:
     # Warp 0 polls, the other warps return at once (they wait at the caller's barrier). Lane l polls lines
     # l, l + 32, ... (one at a time, the next once the current one is complete); lane 0 alone loads the
@@ -110,16 +126,13 @@ def _spin_warp0_ptx() -> str:
          "@%vp1 bra VOTE_JOIN;",
          "mul.wide.u32 %va, %vline, 128;",
          "add.u64 %va, %va, $1;"]
-    for v in range(8):
-        a.append(f"ld.relaxed.gpu.global.v4.u32 {{{', '.join(w[4 * v: 4 * v + 4])}}}, [%va+{16 * v}];")
+    a += line_loads_ptx(w, "%va")
     a += ["sub.s32 %vwant, $2, %vfirst;",
           "setp.ge.s32 %vp2, %vwant, 32;",
           "shl.b32 %vm, 1, %vwant;",
           "sub.u32 %vm, %vm, 1;",
-          "selp.b32 %vm, -1, %vm, %vp2;",
-          "mov.u32 %vacc, 0;"]
-    for i in range(32):
-        a += [f"setp.eq.u32 %vp2, {w[i]}, $3;", f"selp.u32 %vb, {1 << i}, 0, %vp2;", "or.b32 %vacc, %vacc, %vb;"]
+          "selp.b32 %vm, -1, %vm, %vp2;"]
+    a += line_match_ptx(w, "$3", "%vacc", "%vb", "%vp2")
     a += ["and.b32 %vacc, %vacc, %vm;",
           "setp.eq.u32 %vp2, %vacc, %vm;",
           "@%vp2 add.u32 %vline, %vline, 32;",        # this line is complete: the lane's next one
