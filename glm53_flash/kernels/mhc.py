@@ -197,16 +197,29 @@ def hc_join(part_ptr, stride_task, n_parts):
 
 
 @triton.jit
-def hc_pre_rstd(w, j, H, eps, hc_eps):
-    """(pre, rstd) alone, as hc_derive computes them: all the gate row needs (no Sinkhorn)."""
+def _hc_pre(w, j, H, eps, hc_eps):
+    """(pre, inv) from hc_weights' w and hc_join's j: inv = 1 / rms of the flat 4H row (from trace(G))."""
     s0, s1, s2, b_pre, b_post, b_comb = w
     pre_s, post_s, comb_s, G = j
     i4 = tl.arange(0, 4)
     ss = tl.sum(tl.sum(tl.where(i4[:, None] == i4[None, :], G, 0.0), axis=1), axis=0)   # trace(G)
     inv = 1.0 / tl.sqrt(ss / (4 * H) + eps)
-    pre = tl.sigmoid(pre_s * inv * s0 + b_pre) + hc_eps
+    return tl.sigmoid(pre_s * inv * s0 + b_pre) + hc_eps, inv
+
+
+@triton.jit
+def _hc_rstd(pre, G, H, eps):
+    """rstd of the collapsed row x_in = sum_j pre[j] X[j]: its sum of squares is pre^T G pre."""
     ss_in = tl.sum(tl.sum(pre[:, None] * G * pre[None, :], axis=1), axis=0)
-    return pre, 1.0 / tl.sqrt(ss_in / H + eps)
+    return 1.0 / tl.sqrt(ss_in / H + eps)
+
+
+@triton.jit
+def hc_pre_rstd(w, j, H, eps, hc_eps):
+    """(pre, rstd) alone, as hc_derive computes them: all the gate row needs (no Sinkhorn)."""
+    pre_s, post_s, comb_s, G = j
+    pre, inv = _hc_pre(w, j, H, eps, hc_eps)
+    return pre, _hc_rstd(pre, G, H, eps)
 
 
 @triton.jit
@@ -214,16 +227,11 @@ def hc_derive(w, j, H, eps, hc_eps, ITERS: tl.constexpr):
     """(pre, post, comb, rstd) from hc_weights' w and hc_join's j (hc_coeffs)."""
     s0, s1, s2, b_pre, b_post, b_comb = w
     pre_s, post_s, comb_s, G = j
-    i4 = tl.arange(0, 4)
-    ss = tl.sum(tl.sum(tl.where(i4[:, None] == i4[None, :], G, 0.0), axis=1), axis=0)   # trace(G)
-    inv = 1.0 / tl.sqrt(ss / (4 * H) + eps)                    # 1 / rms of the flat 4H row
-    pre = tl.sigmoid(pre_s * inv * s0 + b_pre) + hc_eps
+    pre, inv = _hc_pre(w, j, H, eps, hc_eps)
     post = 2.0 * tl.sigmoid(post_s * inv * s1 + b_post)
     logits = comb_s * inv * s2 + b_comb                                        # [4, 4]
     comb = _sinkhorn(logits, hc_eps, ITERS)
-    ss_in = tl.sum(tl.sum(pre[:, None] * G * pre[None, :], axis=1), axis=0)    # sum_c x_in[c]^2
-    rstd = 1.0 / tl.sqrt(ss_in / H + eps)
-    return pre, post, comb, rstd
+    return pre, post, comb, _hc_rstd(pre, G, H, eps)
 
 
 @triton.jit

@@ -212,6 +212,15 @@ def hc_pre_task(xs, fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2, tag, 
     signal(scratch, meta, B_HP1, a2, tag, fault_site)
 
 
+@triton.jit
+def _hc_slots(scratch, meta, SECOND: tl.constexpr):
+    """(hc_pre partial slots, their count, coefficient rows) of the mixer's mHC, or with SECOND the FFN's."""
+    if SECOND:
+        return f32_at(scratch, meta, M_PART2), tl.load(meta + M_NPART2), f32_at(scratch, meta, M_COEF2)
+    else:
+        return f32_at(scratch, meta, M_PART1), tl.load(meta + M_NPART1), f32_at(scratch, meta, M_COEF1)
+
+
 @triton.jit(noinline=True)
 def gate_task(xs, base, scale, ln, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps,
               hc_eps, SECOND: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, GATE_BH: tl.constexpr,
@@ -219,24 +228,12 @@ def gate_task(xs, base, scale, ln, scratch, meta, rows, a0, a1, a2, rdy, pid, ta
     """gate1 (SECOND False: waits hp1, writes a_in) or gate2 (waits hp2, writes a): columns [a0, a0 +
     GATE_BH) of row a2's gate row from the streams xs, producer a1. One task per (row, column tile): rows
     run in parallel, not one after another. -> (ok, rdy)."""
-    if SECOND:
-        part = f32_at(scratch, meta, M_PART2)                           # meta words before the wait (waitb)
-        n_parts = tl.load(meta + M_NPART2)
-        out = act_at(scratch, meta, M_A, ACT_F32)
-        ok, rdy = waitb(scratch, meta, B_HP2, rdy, pid, tag, hdr, timeout_ns)
-        if ok != 0:
-            gate_row(xs, part, n_parts, base, scale, ln, out, a2, rows, a0, eps, hc_eps, hdr, pid, H, ROWS_PAD,
-                     GATE_BH)
-            signal(scratch, meta, B_A, a1, tag, fault_site)
-    else:
-        part = f32_at(scratch, meta, M_PART1)
-        n_parts = tl.load(meta + M_NPART1)
-        out = act_at(scratch, meta, M_AIN, ACT_F32)
-        ok, rdy = waitb(scratch, meta, B_HP1, rdy, pid, tag, hdr, timeout_ns)
-        if ok != 0:
-            gate_row(xs, part, n_parts, base, scale, ln, out, a2, rows, a0, eps, hc_eps, hdr, pid, H, ROWS_PAD,
-                     GATE_BH)
-            signal(scratch, meta, B_AIN, a1, tag, fault_site)
+    part, n_parts, _ = _hc_slots(scratch, meta, SECOND)               # meta words before the wait (waitb)
+    out = act_at(scratch, meta, M_A if SECOND else M_AIN, ACT_F32)
+    ok, rdy = waitb(scratch, meta, B_HP2 if SECOND else B_HP1, rdy, pid, tag, hdr, timeout_ns)
+    if ok != 0:
+        gate_row(xs, part, n_parts, base, scale, ln, out, a2, rows, a0, eps, hc_eps, hdr, pid, H, ROWS_PAD, GATE_BH)
+        signal(scratch, meta, B_A if SECOND else B_AIN, a1, tag, fault_site)
     return ok, rdy
 
 
@@ -247,22 +244,11 @@ def coef_task(base, scale, scratch, meta, rows, a0, a1, rdy, pid, tag, hdr, time
     coefficients with the Sinkhorn, producer a1. Beside the gate tasks, on a CTA of its own: only hc_post
     needs post / comb, a few stages later (it waits on cf1 / cf2), so the Sinkhorn (~5 us traced on the
     H200) is off the gate row's critical path. -> (ok, rdy)."""
-    if SECOND:
-        part = f32_at(scratch, meta, M_PART2)                           # meta words before the wait (waitb)
-        n_parts = tl.load(meta + M_NPART2)
-        coef = f32_at(scratch, meta, M_COEF2)
-        ok, rdy = waitb(scratch, meta, B_HP2, rdy, pid, tag, hdr, timeout_ns)
-        if ok != 0:
-            coef_row(part, n_parts, base, scale, coef, a0, rows, eps, hc_eps, H, ROWS_PAD, ITERS)
-            signal(scratch, meta, B_CF2, a1, tag, fault_site)
-    else:
-        part = f32_at(scratch, meta, M_PART1)
-        n_parts = tl.load(meta + M_NPART1)
-        coef = f32_at(scratch, meta, M_COEF1)
-        ok, rdy = waitb(scratch, meta, B_HP1, rdy, pid, tag, hdr, timeout_ns)
-        if ok != 0:
-            coef_row(part, n_parts, base, scale, coef, a0, rows, eps, hc_eps, H, ROWS_PAD, ITERS)
-            signal(scratch, meta, B_CF1, a1, tag, fault_site)
+    part, n_parts, coef = _hc_slots(scratch, meta, SECOND)            # meta words before the wait (waitb)
+    ok, rdy = waitb(scratch, meta, B_HP2 if SECOND else B_HP1, rdy, pid, tag, hdr, timeout_ns)
+    if ok != 0:
+        coef_row(part, n_parts, base, scale, coef, a0, rows, eps, hc_eps, H, ROWS_PAD, ITERS)
+        signal(scratch, meta, B_CF2 if SECOND else B_CF1, a1, tag, fault_site)
     return ok, rdy
 
 
