@@ -90,6 +90,7 @@ class KdaLayerLaunch(Launch):
     # two CTAs per SM (128 registers, 4 warps: four would fit): twice the loads in flight per SM. kda TP1,
     # 1 row, bf16 on the H200: 518 us at 1 CTA per SM, 456 us at 2 (block_n 32: 660, 8 warps: 522)
     default_ctas_per_sm = 2
+    NEXTN = False                 # the NextN block (launches/nextn.py) has no mHC: no coef tasks or waits
     META_LAYOUT = (BOXES, ROWS_REGIONS, META, META_WORDS)        # the kernel module's meta words
 
     def __init__(self, cfg, source, layer: int, *, tp_rank: int = 0, tp_size: int = 1, width: int = 1, device=None,
@@ -267,27 +268,28 @@ class KdaLayerLaunch(Launch):
         self.n_box["hp1"] = len(parts)
         self.npart1 = self.npart2 = n_col
         self.gate_bh = min(512, H)
-        n_gate = H // self.gate_bh
         g.stage("gate_in")
+        self._gate_tasks(g, "1", "hp1", "a_in", "cf1")
+
+    def _gate_tasks(self, g, k: str, slots: str, row: str, box: str) -> None:
+        """mHC k ("1" mixer, "2" FFN) after its partial slots: the gate row by (row, column tile) tasks, and
+        per row a coef task for hc_post's coefficients (the Sinkhorn) beside them, on a CTA of its own;
+        hc_post waits on the coef box."""
+        n_gate, W = self.H // self.gate_bh, self.width
         for r in range(W):
             for t in range(n_gate):
-                g.add("gate1", (t * self.gate_bh, r * n_gate + t, r), reads=("hp1",), writes=("a_in",),
+                g.add("gate" + k, (t * self.gate_bh, r * n_gate + t, r), reads=(slots,), writes=(row,),
                       nbytes=4 * self.gate_bh * 4)
-        self.n_box["a_in"] = W * n_gate
-        self._coef_tasks(g, "coef1", "hp1", "cf1")
-
-    def _coef_tasks(self, g, fam: str, reads: str, box: str) -> None:
-        """One task per row: the row's hc_post coefficients (the Sinkhorn), beside the gate tasks of the
-        same stage (placement puts them on CTAs of their own); hc_post waits on the box."""
-        # cost: its time, not its 10 KB: the Sinkhorn's ~10-14 us (traced, H200) ~ 5 task floors. At its bytes
-        # the placement gave its CTA an in_proj tile next, which then started 14 us late and ended the stage
-        for r in range(self.width):
-            g.add(fam, (r, r), reads=(reads,), writes=(box,), nbytes=self.npart1 * 40 * 4 + 5 * TASK_COST_FLOOR)
-        self.n_box[box] = self.width
+        self.n_box[row] = W * n_gate
+        # a coef task costs its time, not its 10 KB: the Sinkhorn's ~10-14 us (traced, H200) ~ 5 task floors.
+        # At its bytes the placement gave its CTA an in_proj tile next, which started 14 us late
+        for r in range(W):
+            g.add("coef" + k, (r, r), reads=(slots,), writes=(box,), nbytes=self.npart1 * 40 * 4 + 5 * TASK_COST_FLOOR)
+        self.n_box[box] = W
 
     def _hc_post_reads(self, box: str) -> tuple:
         """The coefficient box a task that runs hc_post waits on (none in the NextN block: no mHC there)."""
-        return () if getattr(self, "NEXTN", False) else (box,)
+        return () if self.NEXTN else (box,)
 
     def _graph_oproj(self, g, row_bytes: int) -> None:
         """o_proj tiles (row_bytes: bytes of one weight row); TP > 1: the exchange and the rank sums."""
@@ -306,13 +308,7 @@ class KdaLayerLaunch(Launch):
 
     def _graph_gate_ffn(self, g) -> None:
         g.stage("gate_ffn")
-        n_gate, W = self.H // self.gate_bh, self.width
-        for r in range(W):
-            for t in range(n_gate):
-                g.add("gate2", (t * self.gate_bh, r * n_gate + t, r), reads=("hp2",), writes=("a",),
-                      nbytes=4 * self.gate_bh * 4)
-        self.n_box["a"] = W * n_gate
-        self._coef_tasks(g, "coef2", "hp2", "cf2")
+        self._gate_tasks(g, "2", "hp2", "a", "cf2")
 
     def _ffn_graph(self, g: TaskGraph, wb: int) -> None:
         H, tp, BN, W = self.H, self.tp_size, self.block_n, self.width
