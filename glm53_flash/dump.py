@@ -16,21 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+
+from .provenance import source_commit
 
 KINDS = ("embed", "dense", "kda", "sparse", "nextn", "tail")
 MANIFEST = "manifest.json"
-
-
-def _commit() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        out = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + (" + uncommitted" if dirty else "") if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def _inputs(kind, cfg, width, device, seed, pos):
@@ -112,7 +102,7 @@ def dump(out_dir: str, kinds, tp: int, widths, weights: str, preset_name: str, d
     cfg = preset(preset_name)
     src = RandomWeights(cfg, seed=seed, cache=True)
     os.makedirs(out_dir, exist_ok=True)
-    man = {"commit": _commit(), "preset": preset_name, "tp": tp, "weights": weights, "device": device, "seed": seed,
+    man = {"commit": source_commit(), "preset": preset_name, "tp": tp, "weights": weights, "device": device, "seed": seed,
            "pos": pos, "files": {}}
     for kind in kinds:
         for w in widths:

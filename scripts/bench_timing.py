@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import statistics
-import subprocess
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
+
+from glm53_flash.provenance import source_commit
 
 L2_BYTES = 60 * 2 ** 20          # H200; read from the device when available
 
@@ -114,13 +114,7 @@ def measure_read_bw(device: str = "cuda", reps: int = 16, windows: int = 9) -> t
 
 def env_card() -> dict:
     p = torch.cuda.get_device_properties(0)
-    try:
-        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout
-        commit = (head or "unknown") + (" + uncommitted" if dirty.strip() else "")
-    except OSError:
-        commit = "unknown"
+    commit = source_commit()
     return {"gpu": p.name, "sms": p.multi_processor_count, "l2_mb": round(getattr(p, "L2_cache_size", L2_BYTES) / 2 ** 20),
             "torch": torch.__version__, "triton": triton.__version__, "commit": commit,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
