@@ -226,8 +226,8 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns)
     reduction over the threads' outcomes, whose CTA barrier orders every thread after warp 0's acquire.
     Only a failed spin re-reads the words (to record the first stale one): before, every wait re-read
     them line after line, one L2 round trip per 32 producers (7-9 for the in_proj and expert boxes).
-    scripts/bench_hop.py (H200, box ping-pong, 2 CTAs on two SMs): 1.63 / 1.93 us per hop for 32 / 256
-    producers before, 1.48 / 1.54 us now."""
+    scripts/bench_hop.py (H200, box ping-pong, 2 CTAs on two SMs, 256 producers): 1.93 us per hop before,
+    1.54 us for the warp-0 spin alone, 1.77 us for this wait (the 0.24 us between: not explained yet)."""
     block = box + consumer * block_words
     budget_ns = staggered_budget(budget_ns, site)
     clk = tl.load(hdr + H_WAIT_CLK)                 # before the spin: its round trip overlaps the polls

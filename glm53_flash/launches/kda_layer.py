@@ -44,7 +44,8 @@ moves its first tile toward L2 (prefetch.global.L2) and waits once before its ti
 loads after the gate GEMV, and ptxas is capped at maxnreg=128 (layer_host.py DEFAULT_MAXNREG; 4
 CTAs/SM by registers): dense / embed 128 with 0 B (FP8) or 16 B (bf16) local stores, kda 96-120 B
 (mostly the expert slot's top-k selection over 512 experts, _expert_pick, and the call-boundary saves
-of the task loop's scalars). Same loads, sums and orders as before: the bits do not change.
+of the task loop's scalars). Same loads, sums and orders as before: the bits do not change. Since the
+warp-0 hop and the coef tasks (2026-12-01): kda TP8 bf16 184 B, dense TP1 bf16 72 B, still 128 registers.
 """
 import triton
 import triton.language as tl
