@@ -8,7 +8,8 @@
 #   3. time_layers over TIMING (';'-separated scripts/time_matrix.py argument sets) -> timing.jsonl / .log;
 #      BASE=dir (a checkout of the commit before, e.g. `git archive` into .base/) times BASE_TIMING there
 #      too, in the same call, for side-by-side ratios (its records carry "tree": "base"); TIMING2 with
-#      TIMING2_ENV="K=V ..." times this tree again under that environment ("tree": "ours2");
+#      TIMING2_ENV="K=V ...|K=V ..." times this tree again under each '|'-separated environment ("tree":
+#      "ours2", "env": that environment);
 #   4. the engine-style peer (.peer/, fla-core from .whl/; PEER="args" for baseline_layers.py,
 #      PEER_PDL="args" for baseline_pdl.py, empty: skipped) -> its tables in timing.log, peer.jsonl;
 #   then the Triton cache, packed newest first (cat triton_cache.part* > .triton_cache.tgz; carry it).
@@ -76,7 +77,15 @@ run_matrix() {   # $1 = tree, $2 = jsonl, $3 = ';'-separated sets, $4 = extra en
   done
 }
 [ -n "${TIMING:-}" ] && run_matrix "$PWD" "$W/ours.jsonl" "$TIMING"
-[ -n "${TIMING2:-}" ] && run_matrix "$PWD" "$W/ours2.jsonl" "$TIMING2" "${TIMING2_ENV:-}"
+if [ -n "${TIMING2:-}" ]; then
+  IFS='|' read -ra envsets <<< "${TIMING2_ENV:-}"; [ ${#envsets[@]} -eq 0 ] && envsets=("")
+  for e in "${envsets[@]}"; do
+    echo "=== environment: $e" >> "$OUT/timing.log"
+    run_matrix "$PWD" "$W/ours2.part.jsonl" "$TIMING2" "$e"
+    python3 -c "import json,sys; [print(json.dumps({'env': sys.argv[1], **json.loads(l)})) for l in open(sys.argv[2]) if l.strip()]" \
+      "$e" "$W/ours2.part.jsonl" >> "$W/ours2.jsonl" 2>/dev/null; rm -f "$W/ours2.part.jsonl"
+  done
+fi
 [ -n "${BASE:-}" ] && [ -n "${BASE_TIMING:-}" ] && run_matrix "$PWD/$BASE" "$W/base.jsonl" "$BASE_TIMING"
 python3 - "$W" "$OUT/timing.jsonl" <<'PY'
 import json, os, sys

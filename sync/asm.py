@@ -87,6 +87,22 @@ def fence_acq_rel():
                                      is_pure=False, pack=1)
 
 
+@triton.jit
+def grid_dep_launch():
+    """griddepcontrol.launch_dependents: the next kernel of the stream, launched with Programmatic Dependent
+    Launch, may start its CTAs as this grid's CTAs leave the SMs (no effect without PDL)."""
+    return tl.inline_asm_elementwise("griddepcontrol.launch_dependents;\nmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def grid_dep_wait():
+    """griddepcontrol.wait: block until the stream's previous grid has completed and its memory is visible
+    (returns at once without PDL)."""
+    return tl.inline_asm_elementwise("griddepcontrol.wait;\nmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
 def line_loads_ptx(w: list[str], addr: str) -> list[str]:
     """PTX: the 128-byte box line at [addr] into the 32 registers w, as 8 independent 16-byte relaxed loads
     (they pipeline; acquire loads would serialise and each invalidate L1). A vector load is not atomic as a
@@ -157,6 +173,82 @@ def _spin_warp0_ptx() -> str:
 
 
 SPIN_WARP0_PTX: tl.constexpr = tl.constexpr(_spin_warp0_ptx())
+
+
+def _spin2_warp0_ptx() -> str:
+    # The spin of _spin_warp0_ptx over two blocks at once (two boxes a task needs together): their lines are
+    # one list, block 1's first, so the boxes cost one round trip per poll cycle and one fence, not two
+    # waits. Per line i: block 1 line i while i < n1 lines, else block 2 line i - n1.
+    # $0 live | $1 block 1 | $2 n_prod 1 | $3 tag | $4 abort word | $5 budget | $6 pin | $7 block 2 | $8 n_prod 2
+    w = [f"%vw{i}" for i in range(32)]
+
+    def line_of(done_pred: str) -> list[str]:
+        # %vloc = the line's index in its block, %vbase / %vnp = its block and producer count,
+        # %vfirst = its first word; done_pred = no such line (past block 2's last)
+        return ["setp.lt.u32 %vq, %vline, %vn1;",
+                "sub.u32 %vloc, %vline, %vn1;",
+                "selp.b32 %vloc, %vline, %vloc, %vq;",
+                "selp.b64 %vbase, $1, $7, %vq;",
+                "selp.b32 %vnp, $2, $8, %vq;",
+                "shl.b32 %vfirst, %vloc, 5;",
+                f"setp.ge.s32 {done_pred}, %vfirst, %vnp;"]
+
+    a = ["{", ".reg .pred %vp<7>, %vq;", f".reg .b32 {', '.join(w)};",
+         ".reg .b32 %vtid, %vline, %vfirst, %vab, %vm, %vb, %vwant, %vacc, %vn1, %vloc, %vnp;",
+         ".reg .b64 %vt0, %vt1, %va, %vbase;",
+         "mov.u32 $0, 1;", "mov.u32 %vtid, %tid.x;",
+         "setp.ge.u32 %vp0, %vtid, 32;",
+         "@%vp0 bra VOTE_OUT;",
+         "add.s32 %vn1, $2, 31;", "shr.s32 %vn1, %vn1, 5;",       # lines of block 1
+         "mov.u64 %vt0, %globaltimer;", "mov.u32 %vline, %vtid;", "setp.eq.u32 %vp6, %vtid, 0;",
+         "VOTE_TOP:",
+         "mov.u32 %vab, 0;",
+         "@%vp6 ld.relaxed.gpu.global.u32 %vab, [$4];"]
+    a += line_of("%vp1")
+    a += ["@%vp1 bra VOTE_JOIN;",
+          "mul.wide.u32 %va, %vloc, 128;",
+          "add.u64 %va, %va, %vbase;"]
+    a += line_loads_ptx(w, "%va")
+    a += ["sub.s32 %vwant, %vnp, %vfirst;",
+          "setp.ge.s32 %vp2, %vwant, 32;",
+          "shl.b32 %vm, 1, %vwant;",
+          "sub.u32 %vm, %vm, 1;",
+          "selp.b32 %vm, -1, %vm, %vp2;"]
+    a += line_match_ptx(w, "$3", "%vacc", "%vb", "%vp2")
+    a += ["and.b32 %vacc, %vacc, %vm;",
+          "setp.eq.u32 %vp2, %vacc, %vm;",
+          "@%vp2 add.u32 %vline, %vline, 32;",
+          "VOTE_JOIN:"]
+    a += line_of("%vp1")
+    a += ["setp.lt.u32 %vq, %vline, %vn1;",             # a block-1 line is never past the end
+          "and.pred %vp1, %vp1, !%vq;",
+          "vote.sync.all.pred %vp3, %vp1, 0xffffffff;",
+          "@%vp3 bra VOTE_FENCE;",
+          "setp.eq.u32 %vp4, %vab, $3;",
+          "mov.u64 %vt1, %globaltimer;",
+          "sub.s64 %vt1, %vt1, %vt0;",
+          "setp.gt.s64 %vp5, %vt1, $5;",
+          "or.pred %vp4, %vp4, %vp5;",
+          "vote.sync.any.pred %vp4, %vp4, 0xffffffff;",
+          "@!%vp4 bra VOTE_TOP;",
+          "mov.u32 $0, 0;",
+          "VOTE_FENCE:",
+          "fence.acq_rel.gpu;",
+          "VOTE_OUT:",
+          "}"]
+    return "\n".join(a)
+
+
+SPIN2_WARP0_PTX: tl.constexpr = tl.constexpr(_spin2_warp0_ptx())
+
+
+@triton.jit
+def spin2_lines_warp0(block1, n_prod1, block2, n_prod2, tag, abort_ptr, budget_ns, pin):
+    """spin_lines_warp0 over two box blocks in one loop (n_prod1 words of block1, n_prod2 of block2): one
+    round trip per poll cycle for both, one fence. -> 1 (both complete) or 0 (abort / out of time)."""
+    return tl.inline_asm_elementwise(SPIN2_WARP0_PTX, "=r,l,r,r,l,l,r,l,r",
+                                     [block1, n_prod1, tag, abort_ptr, budget_ns.to(tl.int64), pin, block2, n_prod2],
+                                     dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -19,18 +19,36 @@ import os
 import triton
 import triton.language as tl
 
-from .asm import (clock64, fence_acq_rel, globaltimer, in_interpreter, ld_relaxed_u32, ld_relaxed_u64, signal_warp0,
-                  spin_lines_warp0, st_relaxed_u32, st_relaxed_u64)
+from .asm import (clock64, fence_acq_rel, globaltimer, grid_dep_launch, grid_dep_wait, in_interpreter, ld_relaxed_u32,
+                  ld_relaxed_u64, signal_warp0, spin2_lines_warp0, spin_lines_warp0, st_relaxed_u32, st_relaxed_u64)
 from .header import H_ABORT, H_DONE, H_EPOCH, H_ERR, H_LAST_TAG, H_WAIT_CLK
 
 TAG_MASK: tl.constexpr = tl.constexpr(0xFFFFFFFF)
+# where a CTA lets the stream's next kernel start under PDL (launch_begin): "start" or "end"; read at import,
+# a compile-time choice
+_TRIGGER = os.environ.get("GLM53_PDL_TRIGGER", "end")
+if _TRIGGER not in ("start", "end"):
+    raise ValueError(f"GLM53_PDL_TRIGGER={_TRIGGER!r} must be start or end")
+PDL_TRIGGER_END: tl.constexpr = tl.constexpr(_TRIGGER == "end")
 
 
 # ---------------------------------------------------------------------- launch begin / end
 @triton.jit
 def launch_begin(hdr, tag_stride, tag_offset):
     """-> (tag, ok): this launch's tag from the device epoch; ok=0 if the launch already aborted
-    (stage-by-stage CPU mode: a later stage of a failed launch does nothing)."""
+    (stage-by-stage CPU mode: a later stage of a failed launch does nothing).
+
+    Programmatic Dependent Launch (launches/base.py launch_options): a launch's CTAs may start while the
+    previous kernel of the stream still runs (as its CTAs leave the SMs), so everything before this call
+    may read only what no earlier kernel writes (meta words, the task table, weights). Here each CTA waits
+    for the previous kernel to complete: its header, inputs and scratch are then final and visible. It
+    lets the next kernel start here, or with GLM53_PDL_TRIGGER=end in launch_end, once its tasks are done
+    (early, the next kernel's CTAs take the SMs' free slots while this one runs). Without PDL both
+    instructions return at once."""
+    if not in_interpreter():
+        if not PDL_TRIGGER_END:
+            grid_dep_launch()
+        grid_dep_wait()
     e = tl.atomic_add(hdr + H_EPOCH, 0, sem="acquire", scope="gpu")
     tag = e * tag_stride + tag_offset + 1
     if tl.program_id(0) == 0:
@@ -42,6 +60,8 @@ def launch_begin(hdr, tag_stride, tag_offset):
 @triton.jit
 def launch_end(hdr, bump):
     """Every CTA calls this once, last. With `bump`, the last CTA to arrive advances the epoch."""
+    if PDL_TRIGGER_END and not in_interpreter():
+        grid_dep_launch()
     if bump != 0:
         tl.debug_barrier()          # every warp of this CTA is done with this launch's tag and words
         old = tl.atomic_add(hdr + H_DONE, 1, sem="acq_rel", scope="gpu")
@@ -241,6 +261,33 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns)
         ok = tl.min(tl.zeros([tl.extra.cuda.num_threads()], tl.int32) + live, axis=0)
         if ok == 0:
             ok = _box_check(block, n_prod, tag, hdr, site, cta)
+    if ok != 0:
+        note_wait_end(hdr, clk, cta)
+    return ok
+
+
+@triton.jit
+def wait_box2(box1, words1, n_prod1, site1, box2, words2, n_prod2, site2, consumer, tag, hdr, cta, budget_ns):
+    """wait_box for two boxes a task needs together, in one spin (sync.asm.spin2_lines_warp0): one round trip
+    per poll cycle and one fence for both, where two waits cost two of each (~1.5 us a wait, even when
+    its box is long complete). The budget is the earlier site's (staggered_budget): a consumer of a stalled
+    box still times out before its own consumers. After a failed spin the boxes are re-read in order and
+    the first stale one is recorded at its site. -> ok (uniform)."""
+    block1 = box1 + consumer * words1
+    block2 = box2 + consumer * words2
+    budget_ns = staggered_budget(budget_ns, tl.minimum(site1, site2))
+    clk = tl.load(hdr + H_WAIT_CLK)
+    if in_interpreter():
+        ok = _box_check(block1, n_prod1, tag, hdr, site1, cta)
+        if ok != 0:
+            ok = _box_check(block2, n_prod2, tag, hdr, site2, cta)
+    else:
+        live = spin2_lines_warp0(block1, n_prod1, block2, n_prod2, tag, hdr + H_ABORT, budget_ns, clk)
+        ok = tl.min(tl.zeros([tl.extra.cuda.num_threads()], tl.int32) + live, axis=0)     # as wait_box
+        if ok == 0:
+            ok = _box_check(block1, n_prod1, tag, hdr, site1, cta)
+            if ok != 0:
+                ok = _box_check(block2, n_prod2, tag, hdr, site2, cta)
     if ok != 0:
         note_wait_end(hdr, clk, cta)
     return ok

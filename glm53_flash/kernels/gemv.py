@@ -98,10 +98,25 @@ def _mult16(v):
 
 
 @triton.jit
-def _load_w(w_ptr, n0, k, k1, N, K, BLOCK_N: tl.constexpr, CK: tl.constexpr, EVEN: tl.constexpr = False):
+def _tile_rows(n0, N, BLOCK_N: tl.constexpr, GAP: tl.constexpr):
+    """(rows of W, valid) of a tile's BLOCK_N rows. GAP == 0: rows n0 .. n0 + BLOCK_N - 1, valid below N. GAP > 0
+    (a pair tile): the first half is rows n0 + j of one matrix and the second half rows GAP + n0 + j of the next
+    (e.g. gate rows, then up rows GAP = I further in a packed [2I, K] bank), each half valid for n0 + j < N."""
+    j = tl.arange(0, BLOCK_N)
+    if GAP == 0:
+        return n0 + j, n0 + j < N
+    else:
+        HALF: tl.constexpr = BLOCK_N // 2
+        loc = n0 + j % HALF
+        return loc + (j // HALF) * GAP, loc < N
+
+
+@triton.jit
+def _load_w(w_ptr, n0, k, k1, N, K, BLOCK_N: tl.constexpr, CK: tl.constexpr, EVEN: tl.constexpr = False,
+            GAP: tl.constexpr = 0):
     k = _mult16(k)
     k1 = _mult16(k1)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_n, valid_n = _tile_rows(n0, N, BLOCK_N, GAP)
     offs_k = k + tl.arange(0, CK)
     ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
     # streamed once: do not let it push the activations and hand-off lines out of L2. (Inside a pipelined
@@ -110,7 +125,7 @@ def _load_w(w_ptr, n0, k, k1, N, K, BLOCK_N: tl.constexpr, CK: tl.constexpr, EVE
     if EVEN:    # caller guarantees n0 + BLOCK_N <= N and k + CK <= k1: no predicates in the K loop
         return tl.load(ptrs, eviction_policy="evict_first")
     else:
-        mask = (offs_n[:, None] < N) & (offs_k[None, :] < k1)
+        mask = valid_n[:, None] & (offs_k[None, :] < k1)
         return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")  # [BLOCK_N, CK]
 
 
@@ -143,7 +158,7 @@ def _dot_x(acc, w, xt):
 
 @triton.jit
 def _chunk(acc, w, s_ptr, x_ptr, stride_x, rows, n0, k, k1, N, K, ROWS_PAD: tl.constexpr, CK: tl.constexpr,
-           EVEN: tl.constexpr = False):
+           EVEN: tl.constexpr = False, GAP: tl.constexpr = 0):
     """acc += W[n0:, k:k+CK] @ x[:, k:k+CK]^T for one chunk already in registers (w [BLOCK_N, CK])."""
     k = _mult16(k)
     k1 = _mult16(k1)
@@ -160,14 +175,14 @@ def _chunk(acc, w, s_ptr, x_ptr, stride_x, rows, n0, k, k1, N, K, ROWS_PAD: tl.c
         # one 128-wide scale block column: exact q products (e4m3 -> f16 is exact), then one fp32 scale
         # per weight row (constant over each 128 rows)
         tl.static_assert(CK == 128, "FP8 chunks are one 128-wide scale block")
-        if EVEN and w.shape[0] <= 128:
+        if EVEN and w.shape[0] <= 128 and GAP == 0:
             s = tl.load(s_ptr + (n0 // 128) * tl.cdiv(K, 128) + k // 128)
-        elif w.shape[0] <= 128:
+        elif w.shape[0] <= 128 and GAP == 0:
             # n0 is a multiple of BLOCK_N, so the tile lies in one 128-row scale block: one scalar
             s = tl.load(s_ptr + (n0 // 128) * tl.cdiv(K, 128) + k // 128, mask=(n0 < N) & (k < k1), other=0.0)
         else:
-            offs_n = n0 + tl.arange(0, w.shape[0])
-            s = tl.load(s_ptr + (offs_n // 128) * tl.cdiv(K, 128) + k // 128, mask=(offs_n < N) & (k < k1),
+            offs_n, valid_n = _tile_rows(n0, N, w.shape[0], GAP)
+            s = tl.load(s_ptr + (offs_n // 128) * tl.cdiv(K, 128) + k // 128, mask=valid_n & (k < k1),
                         other=0.0)[:, None]                       # [BLOCK_N, 1]
         if xt.dtype == tl.bfloat16:
             xt = _x_f16(xt)
@@ -287,21 +302,21 @@ def _finish_one(w0, w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K, ROWS_
 
 @triton.jit
 def _steps(acc, w_ptr, s_ptr, x_ptr, stride_x, rows, n0, ks, k1, N, K, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, CK: tl.constexpr, EVEN: tl.constexpr):
+           BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, CK: tl.constexpr, EVEN: tl.constexpr, GAP: tl.constexpr = 0):
     """acc += the pipelined BLOCK_K steps of [ks, k1), CK-wide chunks in K order."""
     if _interpreting():
         # the interpreter's program ids are 1-element arrays that `range` rejects; a while loop is fine
         k = ks
         while k < k1:
             for j in tl.static_range(BLOCK_K // CK):
-                w = _load_w(w_ptr, n0, k + j * CK, k1, N, K, BLOCK_N, CK, EVEN)
-                acc = _chunk(acc, w, s_ptr, x_ptr, stride_x, rows, n0, k + j * CK, k1, N, K, ROWS_PAD, CK, EVEN)
+                w = _load_w(w_ptr, n0, k + j * CK, k1, N, K, BLOCK_N, CK, EVEN, GAP)
+                acc = _chunk(acc, w, s_ptr, x_ptr, stride_x, rows, n0, k + j * CK, k1, N, K, ROWS_PAD, CK, EVEN, GAP)
             k += BLOCK_K
     else:
         for k in tl.range(ks, k1, BLOCK_K, num_stages=NUM_STAGES):
             for j in tl.static_range(BLOCK_K // CK):
-                w = _load_w(w_ptr, n0, k + j * CK, k1, N, K, BLOCK_N, CK, EVEN)
-                acc = _chunk(acc, w, s_ptr, x_ptr, stride_x, rows, n0, k + j * CK, k1, N, K, ROWS_PAD, CK, EVEN)
+                w = _load_w(w_ptr, n0, k + j * CK, k1, N, K, BLOCK_N, CK, EVEN, GAP)
+                acc = _chunk(acc, w, s_ptr, x_ptr, stride_x, rows, n0, k + j * CK, k1, N, K, ROWS_PAD, CK, EVEN, GAP)
     return acc
 
 
@@ -318,7 +333,8 @@ def plane_sum(ptr, offs, mask, plane_stride, KS: tl.constexpr):
 
 @triton.jit
 def gemv_stream(w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K, ROWS_PAD: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr = False):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr = False,
+                GAP: tl.constexpr = 0):
     """acc [BLOCK_N, ROWS_PAD] fp32 = W[n0:n0+BLOCK_N, k0:k1] @ x[:, k0:k1]^T in ONE pipelined loop: the
     persistent launches' GEMV (same K order, and so the same bits, as gemv_prefetch + gemv_finish with
     PF_K = 128). Call it after the wait on x (move the weights toward L2 before the wait instead).
@@ -328,10 +344,12 @@ def gemv_stream(w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K, ROWS_PAD:
     one full round trip. Here the prologue issues them at once; W and x travel in the same cp.async
     stages (x as 16-byte copies when x_ptr is 16-byte aligned: region offsets from meta words must go
     through launches/ffn.py region_off, or x falls back to scalar loads outside the pipeline).
-    Stages hold (BLOCK_N + ROWS_PAD) * min(BLOCK_K, 128) * 2 bytes each (bf16): 18 KB at 64 x 128."""
+    Stages hold (BLOCK_N + ROWS_PAD) * min(BLOCK_K, 128) * 2 bytes each (bf16): 18 KB at 64 x 128.
+    GAP > 0: a pair tile (_tile_rows): rows n0 .. of W and rows GAP + n0 .. in one pipeline (gate and up of a
+    packed bank: one fill and one drain instead of two); acc's first BLOCK_N / 2 rows are the first half."""
     CK: tl.constexpr = 128 if BLOCK_K > 128 else BLOCK_K
     return _steps(tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32), w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N,
-                  K, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, CK, EVEN)
+                  K, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, CK, EVEN, GAP)
 
 
 @triton.jit
@@ -390,11 +408,13 @@ def _finish_parts(w0, w_ptr, s_ptr, x_ptr, stride_x, rows, n0, k0, k1, N, K, ROW
 
 
 @triton.jit
-def gemv_store(y_ptr, stride_y, acc, rows, n0, N, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Store acc [BLOCK_N, ROWS_PAD] to y[r, n0 + j] = acc[j, r] (y's dtype), for r < rows, n0 + j < N."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+def gemv_store(y_ptr, stride_y, acc, rows, n0, N, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               GAP: tl.constexpr = 0):
+    """Store acc [BLOCK_N, ROWS_PAD] to y[r, n0 + j] = acc[j, r] (y's dtype), for r < rows, n0 + j < N
+    (GAP > 0: a pair tile's rows, gemv_stream; the second half to y[r, GAP + n0 + j])."""
+    offs_n, valid_n = _tile_rows(n0, N, BLOCK_N, GAP)
     offs_r = tl.arange(0, ROWS_PAD)
-    mask = (offs_n[:, None] < N) & (offs_r[None, :] < rows)
+    mask = valid_n[:, None] & (offs_r[None, :] < rows)
     tl.store(y_ptr + offs_r[None, :] * stride_y + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 

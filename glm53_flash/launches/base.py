@@ -40,6 +40,24 @@ def check_rank_width(kind: str, cfg, tp_rank, tp_size, width) -> None:
         raise ValueError(f"{kind}: width={width!r} must be one of {WIDTHS}")
 
 
+def _env_flag(name: str, default: str) -> bool:
+    import os
+    v = os.environ.get(name, default)
+    if v not in ("0", "1"):
+        raise ValueError(f"{name}={v!r} must be 0 or 1")
+    return v == "1"
+
+
+def launch_options() -> dict:
+    """Launch options of every GPU kernel call of a launch (the compiled variant depends on them, so warmups
+    pass the same). GLM53_COOP (default 1): cooperative, the grid is co-resident or the call fails (the
+    residency check in check_resident proves it fits either way). GLM53_PDL (default 0): Programmatic
+    Dependent Launch, the next launch's CTAs start as this one's leave the SMs and run their prologue up to
+    sync.device.launch_begin's griddepcontrol.wait while this one finishes, as consecutive layers of a
+    decode step do (sync.device PDL_TRIGGER: when a CTA lets the next kernel start)."""
+    return {"launch_cooperative_grid": _env_flag("GLM53_COOP", "1"), "launch_pdl": _env_flag("GLM53_PDL", "0")}
+
+
 class Launch:
     kind = "base"
     num_warps = 4
@@ -149,7 +167,7 @@ class Launch:
         kw = dict(const, num_warps=self.num_warps)
         k = self.kernel()
         if not interpreting():
-            kw["launch_cooperative_grid"] = True
+            kw.update(launch_options())
             key = tuple(sorted(const.items()))
             if key not in self._resident:
                 self._resident[key] = self.check_resident(k, args, kw)

@@ -17,7 +17,7 @@ loop top and stayed live through every GEMV, and every build reached 255 registe
 import triton
 import triton.language as tl
 
-from sync.device import signal_box, trace_mark, wait_box
+from sync.device import signal_box, trace_mark, wait_box, wait_box2
 
 from ..kernels.gemv import gemv_store, gemv_stream
 from ..kernels.mhc import hc_partial_finish, hc_partial_prefetch, hc_post_partial, hc_post_tile
@@ -71,6 +71,27 @@ def waitb(scratch, meta, b, ready, pid, tag, hdr, timeout_ns):
     if ok == 0:
         ok = _wait_box(scratch, meta, b, pid, tag, hdr, timeout_ns)
     return ok, ready | (ok << b)
+
+
+@triton.jit(noinline=True)
+def _wait_box2(scratch, meta, b1, b2, pid, tag, hdr, timeout_ns):
+    box1, words1, nprod1, site1 = box_at(scratch, meta, b1)
+    box2, words2, nprod2, site2 = box_at(scratch, meta, b2)
+    return wait_box2(box1, words1, nprod1, site1, box2, words2, nprod2, site2, pid, tag, hdr, pid, timeout_ns)
+
+
+@triton.jit
+def waitb2(scratch, meta, b1, b2, ready, pid, tag, hdr, timeout_ns):
+    """waitb for boxes b1 and b2 together: one spin when this CTA passed neither before (sync.device
+    wait_box2), else waitb of the one left. -> (ok, ready with both bits set when ok)."""
+    if ((ready >> b1) & 1) != 0:
+        ok, ready = waitb(scratch, meta, b2, ready, pid, tag, hdr, timeout_ns)
+    elif ((ready >> b2) & 1) != 0:
+        ok, ready = waitb(scratch, meta, b1, ready, pid, tag, hdr, timeout_ns)
+    else:
+        ok = _wait_box2(scratch, meta, b1, b2, pid, tag, hdr, timeout_ns)
+        ready = ready | (ok << b1) | (ok << b2)
+    return ok, ready
 
 
 @triton.jit

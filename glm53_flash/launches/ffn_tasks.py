@@ -33,7 +33,7 @@ from ..kernels.moe import (expert_id, moe_down_group, router_finish, router_pref
                            router_store_partial, router_store_record)
 from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACTE, M_COEF2, M_DPART, M_EPART, M_H, M_HPART,
                   M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles, act_at, add_cols, f32_at,
-                  gemv_tile, i32_at, l2_prefetch_rows, post_cols, signal, waitb)
+                  gemv_tile, i32_at, l2_prefetch_rows, post_cols, signal, waitb, waitb2)
 from .mixer_kda import xchg_publish
 
 FFN_BASE = tl.constexpr(40)
@@ -56,16 +56,18 @@ ACT_BLOCK = tl.constexpr(ACT_COLS)
 
 # ---------------------------------------------------------------------------- compute pieces
 @triton.jit(noinline=True)
-def gateup_part_tile(wg, wu, sg, su, x, stride_x, part, rows, i0, k0, k1, I: tl.constexpr, H: tl.constexpr,
-                     ROWS_PAD: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-                     NUM_STAGES: tl.constexpr):
-    """K slice [k0, k1) of a gate|up tile: part[r, 0, i0 + j] = x[r] . wg[i0 + j], part[r, 1, i0 + j] =
-    x[r] . wu[i0 + j] (raw fp32 partial plane [rows, 2, I]; the act stage joins the slices, then SwiGLU).
-    A call: the tile loop around it keeps no hoisted index tensors of the two K loops live."""
-    g = gemv_stream(wg, sg, x, stride_x, rows, i0, k0, k1, I, H, ROWS_PAD, BLOCK_I, BLOCK_K, NUM_STAGES)
-    gemv_store(part, 2 * I, g, rows, i0, I, ROWS_PAD, BLOCK_I)
-    u = gemv_stream(wu, su, x, stride_x, rows, i0, k0, k1, I, H, ROWS_PAD, BLOCK_I, BLOCK_K, NUM_STAGES)
-    gemv_store(part + I, 2 * I, u, rows, i0, I, ROWS_PAD, BLOCK_I)
+def gateup_part_tile(wgu, sgu, x, stride_x, part, rows, i0, k0, k1, I: tl.constexpr, H: tl.constexpr,
+                     ROWS_PAD: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """K slice [k0, k1) of a gate|up tile: part[r, 0, i0 + j] = x[r] . gate[i0 + j], part[r, 1, i0 + j] =
+    x[r] . up[i0 + j] (raw fp32 partial plane [rows, 2, I]; the act stage joins the slices, then SwiGLU).
+    wgu: a packed bank [2I, H] (gate rows, then up rows; sgu its FP8 scales [2I/128, H/128], or wgu for
+    bf16): both halves as one pair tile in one pipeline (gemv_stream GAP = I), whose stage holds the bytes
+    of a single tile's: half the K step for bf16 (same bits: the MMAs add the same k16 products in the same
+    order), the one 128-wide scale block for FP8. A call: the tile loop around it keeps no hoisted index
+    tensors of the K loop live."""
+    PK: tl.constexpr = BLOCK_K if wgu.dtype.element_ty == tl.float8e4nv else BLOCK_K // 2
+    acc = gemv_stream(wgu, sgu, x, stride_x, rows, i0, k0, k1, I, H, ROWS_PAD, 2 * BLOCK_I, PK, NUM_STAGES, False, I)
+    gemv_store(part, 2 * I, acc, rows, i0, I, ROWS_PAD, 2 * BLOCK_I, I)
 
 
 @triton.jit
@@ -105,7 +107,8 @@ def gu_task(W_g, S_g, W_u, S_u, scratch, meta, rows, width, a0, a1, a2, a3, rdy,
             fault_site, H: tl.constexpr, I: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr, KS: tl.constexpr):
     """gate|up tiles a0 .. a0 + a1 - 1 (dense MLP or shared expert), K slice a3 of KS, after the a wait ->
-    hpart plane a3, producer a2 of hg. -> (ok, rdy)."""
+    hpart plane a3, producer a2 of hg. W_g / S_g are the packed [2I, H] bank (layer_host.py _gate_up; W_u and
+    S_u are views into it, for the weights' L2 prefetch). -> (ok, rdy)."""
     KL: tl.constexpr = H // KS
     k0 = a3 * KL
     l2_prefetch_rows(W_g + k0, a0 * BLOCK_N, I, H, BLOCK_N)             # weights before the wait
@@ -115,8 +118,8 @@ def gu_task(W_g, S_g, W_u, S_u, scratch, meta, rows, width, a0, a1, a2, a3, rdy,
     ok, rdy = waitb(scratch, meta, B_A, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
-        gateup_part_tile(W_g, W_u, S_g, S_u, x, H, part, rows, (a0 + j) * BLOCK_N, k0, k0 + KL, I, H, ROWS_PAD,
-                         BLOCK_N, BLOCK_K, NUM_STAGES)
+        gateup_part_tile(W_g, S_g, x, H, part, rows, (a0 + j) * BLOCK_N, k0, k0 + KL, I, H, ROWS_PAD, BLOCK_N,
+                         BLOCK_K, NUM_STAGES)
         j += 1
     if ok != 0:
         signal(scratch, meta, B_HG, a2, tag, fault_site)
@@ -160,9 +163,9 @@ def down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size,
     x = act_at(scratch, meta, M_H, ACT_F32)                             # meta words too (see waitb)
     y = f32_at(scratch, meta, M_Y2)
     site = tl.load(meta + M_SITE_XD)
-    ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
-    if ok != 0:     # hc_post's coefficients, before this rank's xd (a stall here then starves every rank)
-        ok, rdy = waitb(scratch, meta, B_CF2, rdy, pid, tag, hdr, timeout_ns)
+    # h and hc_post's coefficients in one spin (ffn.waitb2), before this rank's xd (a stall of either still
+    # starves every rank)
+    ok, rdy = waitb2(scratch, meta, B_CF2, B_H, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
         gemv_tile(W_d, S_d, x, I, (a0 + j) * BLOCK_N, 0, I, rows, width, tp_rank, tp_size, y, H, xd, tag, site,
@@ -234,16 +237,13 @@ def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy,
     ok, rdy = waitb(scratch, meta, B_SEL, rdy, pid, tag, hdr, timeout_ns)
     if (ok != 0) & (a0 < rows):
         e = expert_id(ids, a0 * KE + a1, E)
-        wg = w_gu + e * 2 * I_E * H
-        wu = wg + I_E * H
+        wgu = w_gu + e * 2 * I_E * H
         if w_gu.dtype.element_ty == tl.float8e4nv:
             nkb: tl.constexpr = (H + 127) // 128
-            sg = s_gu + e * (2 * (I_E // 128) * nkb)
-            su = sg + (I_E // 128) * nkb
+            sgu = s_gu + e * (2 * (I_E // 128) * nkb)
         else:
-            sg = wg
-            su = wu
-        gateup_part_tile(wg, wu, sg, su, x, 0, part, 1, a2 * BLOCK_N, a3 * KL, a3 * KL + KL, I_E, H, ROWS_PAD, BLOCK_N,
+            sgu = wgu
+        gateup_part_tile(wgu, sgu, x, 0, part, 1, a2 * BLOCK_N, a3 * KL, a3 * KL + KL, I_E, H, ROWS_PAD, BLOCK_N,
                          BLOCK_K, NUM_STAGES)
     trace_mark(hdr, pid, 1)                                          # the slot's partial tile is stored
     if ok != 0:
@@ -281,12 +281,28 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
                   NEXTN: tl.constexpr, B_Z: tl.constexpr, KG: tl.constexpr):
     """MoE down tiles a0 .. a0 + a1 - 1, expert group a3 of KG, row by row (routed experts in rank order,
     then the shared expert), after the h wait (every activation and the record are in). KG == 1: TP 1 y2,
-    then _post_ffn (producer a2); TP > 1 xd. KG > 1: partial planes, producer a2 of dp. -> (ok, rdy)."""
+    then _post_ffn (producer a2); TP > 1 xd. KG > 1: partial planes, producer a2 of dp. -> (ok, rdy).
+    The routed experts' weights depend only on the record (sel), complete a stage and more before h: the task
+    waits on sel first and moves its group's routed tiles toward L2 before it waits on h."""
+    PG: tl.constexpr = (KE + 1) // KG
     l2_prefetch_rows(W_d, a0 * BLOCK_N, H, I, BLOCK_N)                  # shared expert's weights
-    ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
-    if (KG == 1) and (not NEXTN):
-        if ok != 0:     # hc_post's coefficients, before this rank's xd (a stall here starves every rank)
-            ok, rdy = waitb(scratch, meta, B_CF2, rdy, pid, tag, hdr, timeout_ns)
+    ids = i32_at(scratch, meta, M_IDS)
+    ok, rdy = waitb(scratch, meta, B_SEL, rdy, pid, tag, hdr, timeout_ns)
+    if ok != 0:
+        j = 0
+        while j < a1:
+            rr = 0
+            while rr < rows:
+                for q in tl.static_range(PG):
+                    if a3 * PG + q < KE:
+                        l2_prefetch_rows(w_de + expert_id(ids + rr * KE, a3 * PG + q, E) * H * I_E, (a0 + j) * BLOCK_N,
+                                         H, I_E, BLOCK_N)
+                rr += 1
+            j += 1
+        if (KG == 1) and (not NEXTN):   # with hc_post's coefficients, as down_task
+            ok, rdy = waitb2(scratch, meta, B_CF2, B_H, rdy, pid, tag, hdr, timeout_ns)
+        else:
+            ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
         n0 = (a0 + j) * BLOCK_N
@@ -310,10 +326,10 @@ def down_join_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, 
                    NEXTN: tl.constexpr, B_Z: tl.constexpr, KG: tl.constexpr):
     """down_join (KG > 1): tiles a0 .. a0 + a1 - 1 of every row = its KG group planes added in group order;
     TP 1: y2, then _post_ffn (producer a2); TP > 1: this rank's xd slot. -> (ok, rdy)."""
-    ok, rdy = waitb(scratch, meta, B_DP, rdy, pid, tag, hdr, timeout_ns)
-    if not NEXTN:
-        if ok != 0:     # hc_post's coefficients, before this rank's xd (a stall here starves every rank)
-            ok, rdy = waitb(scratch, meta, B_CF2, rdy, pid, tag, hdr, timeout_ns)
+    if NEXTN:
+        ok, rdy = waitb(scratch, meta, B_DP, rdy, pid, tag, hdr, timeout_ns)
+    else:           # with hc_post's coefficients, before this rank's xd (a stall here starves every rank)
+        ok, rdy = waitb2(scratch, meta, B_CF2, B_DP, rdy, pid, tag, hdr, timeout_ns)
     offs_r = tl.arange(0, ROWS_PAD)
     j = 0
     while (j < a1) & (ok != 0):

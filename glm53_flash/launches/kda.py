@@ -53,8 +53,7 @@ class KdaLaunch(KdaLayerLaunch):
 
     def _load_ffn(self, w, sc, p) -> None:
         m = p + "mlp."
-        self.W_g, self.S_g = self._mat(w, sc, m + "shared_experts.gate_proj.weight")
-        self.W_u, self.S_u = self._mat(w, sc, m + "shared_experts.up_proj.weight")
+        self._gate_up(w, sc, m + "shared_experts.gate_proj.weight", m + "shared_experts.up_proj.weight")
         self.W_d, self.S_d = self._mat(w, sc, m + "shared_experts.down_proj.weight")
         self.I = self.W_g.shape[0]
         self.W_r = w[m + "gate.weight"].to(self.device, torch.float32).contiguous()
@@ -134,7 +133,7 @@ class KdaLaunch(KdaLayerLaunch):
         g.stage("down")
         row_bytes = W * (self.KE * self.I_E * wbe + self.I * wb)
         if self.kg > 1:
-            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("h",), ("dp",), "dp", ret_ranges=True,
+            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("sel", "h"), ("dp",), "dp", ret_ranges=True,
                                       k_split=self.kg)
             g.stage("down_join")
             for s, (t0, n) in enumerate(ranges):
@@ -142,11 +141,11 @@ class KdaLaunch(KdaLayerLaunch):
                       writes=("xd",) if tp > 1 else (),
                       nbytes=self.kg * W * n * BN * 4)
         elif tp == 1:
-            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("h",) + self._hc_post_reads("cf2"), (), None,
-                                      ret_ranges=True)
-        else:
-            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("h",) + self._hc_post_reads("cf2"), ("xd",),
+            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("sel", "h") + self._hc_post_reads("cf2"), (),
                                       None, ret_ranges=True)
+        else:
+            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("sel", "h") + self._hc_post_reads("cf2"),
+                                      ("xd",), None, ret_ranges=True)
         if tp > 1:
             self._peers(g, "peer_d", ranges, "xd")
             g.stage("down_sum")

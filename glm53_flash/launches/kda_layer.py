@@ -111,6 +111,8 @@ def _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, on
     if a0 < rows:
         v0 = a1 * DV + a2 * BV                                          # the state block toward L2 before the wait
         l2_prefetch_rows(S_in + a0.to(tl.int64) * NH * DV * DK, v0, v0 + BV, DK, BV)
+        l2_prefetch_rows(f_b, a1 * DK, NH * DK, R, DK)                   # the head's f_b rows and the block's g_b
+        l2_prefetch_rows(g_b, v0, NH * DV, R, BV)                        # rows (kda_lowrank), likewise
         ok, rdy = waitb(scratch, meta, B_YIN, rdy, pid, tag, hdr, timeout_ns)
         if ok != 0:
             S_blk = kda_prefetch(S_in, a0, a1, a2 * BV, NH, DK, DV, BV)
@@ -164,10 +166,12 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
     if TRACE:
         t_cta = trace_clock(pid)
         c_cta = trace_cycles(pid)
-    tag, ok = launch_begin(hdr, tag_stride, tag_offset)
-    rdy = 0            # bit b: this CTA already passed the wait on box b
+    # the task range before launch_begin: constant, and not ordered after its acquire (PDL: before the
+    # previous kernel is done)
     i = tl.load(starts + pid)
     end = tl.load(starts + pid + 1)
+    tag, ok = launch_begin(hdr, tag_stride, tag_offset)
+    rdy = 0            # bit b: this CTA already passed the wait on box b
     while (i < end) & (ok != 0):
         fam, st, a0, a1, a2, a3, a4 = task_entry(table, i)
         if (st >= stage_lo) & (st < stage_hi):

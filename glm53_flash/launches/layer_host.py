@@ -196,9 +196,27 @@ class KdaLayerLaunch(Launch):
         t = t.to(torch.bfloat16).contiguous()
         return t, t
 
+    def _gate_up(self, w, sc, gate: str, up: str) -> None:
+        """W_g, S_g, W_u, S_u of an MLP as views into one packed bank [2I, H] (gate rows, then up rows; FP8
+        scales likewise [2I/128, H/128]): the gate|up tasks stream a gate tile and its up tile as one pair
+        tile (launches/ffn_tasks.py gateup_part_tile), so the up rows must sit I rows after the gate rows."""
+        (wg, sg), (wu, su) = self._mat(w, sc, gate), self._mat(w, sc, up)
+        if wg.dtype != wu.dtype or wg.shape != wu.shape:
+            raise ValueError(f"{self.kind}: {gate} {tuple(wg.shape)} {wg.dtype} and {up} {tuple(wu.shape)} {wu.dtype} "
+                             "must share shape and format")
+        I, fp8 = wg.shape[0], wg.dtype == torch.float8_e4m3fn
+        if fp8 and I % 128:
+            raise ValueError(f"{self.kind}: FP8 {gate} needs a multiple of 128 rows, got {I}")
+        W = torch.cat([wg, wu])
+        self.W_g, self.W_u = W[:I], W[I:]
+        if fp8:
+            S = torch.cat([sg, su])
+            self.S_g, self.S_u = S[: sg.shape[0]], S[sg.shape[0]:]
+        else:
+            self.S_g, self.S_u = self.W_g, self.W_u
+
     def _load_ffn(self, w, sc, p) -> None:
-        self.W_g, self.S_g = self._mat(w, sc, p + "mlp.gate_proj.weight")
-        self.W_u, self.S_u = self._mat(w, sc, p + "mlp.up_proj.weight")
+        self._gate_up(w, sc, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
         self.W_d, self.S_d = self._mat(w, sc, p + "mlp.down_proj.weight")
         self.I = self.W_g.shape[0]
         self.fp8 = self.W_g.dtype == torch.float8_e4m3fn or self.W_d.dtype == torch.float8_e4m3fn

@@ -90,10 +90,12 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
     if TRACE:
         t_cta = trace_clock(pid)
         c_cta = trace_cycles(pid)
-    tag, ok = launch_begin(hdr, tag_stride, tag_offset)
-    rdy = 0            # bit b: this CTA already passed the wait on box b (one register, not 21)
+    # the task range before launch_begin: constant, and not ordered after its acquire (PDL: before the
+    # previous kernel is done)
     i = tl.load(starts + pid)
     end = tl.load(starts + pid + 1)
+    tag, ok = launch_begin(hdr, tag_stride, tag_offset)
+    rdy = 0            # bit b: this CTA already passed the wait on box b (one register, not 21)
     while (i < end) & (ok != 0):
         fam, st, a0, a1, a2, a3, a4 = task_entry(table, i)
         if (st >= stage_lo) & (st < stage_hi):

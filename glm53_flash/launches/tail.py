@@ -49,7 +49,7 @@ from ..kernels.gemv import gemv_finish, gemv_prefetch, gemv_store
 from ..kernels.sample import (ROWS_PAD, SLOT_WORDS, argmax_merge, empty_candidate, publish_candidate,
                               reduce_candidates, tile_argmax)
 from ..schedule import TaskGraph
-from .base import Launch, check_rank_width, interpreting
+from .base import Launch, check_rank_width, interpreting, launch_options
 
 FAMILIES = {"norm": 0, "norm_local": 1, "gemv": 2, "reduce": 3, "peer": 4, "final": 5}
 NORM_MODES = ("box", "local")
@@ -185,10 +185,12 @@ def tail_kernel(table, starts, X, norm_w, W, S, logits, tokens, best, scratch, x
     if LOCAL_NORM:
         xn += pid * xn_cta_stride
     box = scratch + o_box
-    tag, ok = launch_begin(hdr, tag_stride, tag_offset)
-    xn_ready = 0                                                     # this CTA already passed site xn
+    # the task range before launch_begin: constant, and not ordered after its acquire (PDL: before the
+    # previous kernel is done)
     i = tl.load(starts + pid)
     end = tl.load(starts + pid + 1)
+    tag, ok = launch_begin(hdr, tag_stride, tag_offset)
+    xn_ready = 0                                                     # this CTA already passed site xn
     while (i < end) & (ok != 0):
         fam = tl.load(table + i * 8)
         st = tl.load(table + i * 8 + 1)
@@ -326,7 +328,7 @@ class TailLaunch(Launch):
         self.rows = 1
         args, const = self.kernel_args(0, self.n_stages, 1, -1)
         ck = self.kernel().warmup(*args, grid=(self.grid,), **const, num_warps=self.num_warps,
-                                  launch_cooperative_grid=True)   # the options enqueue compiles with
+                                  **launch_options())   # the options enqueue compiles with
         res = kernel_resources(ck)
         n_sm = device_sm_count(self.device)
         cap = max_resident_ctas(res["n_regs"], res["num_warps"], res["shared"], n_sm)
