@@ -4,7 +4,8 @@
 #      time, until A_T seconds) -> tests.log;
 #      STRESS="args": scripts/stress.py (the hand-off protocols under load) after them -> tests.log;
 #   2. in-kernel traces (TRACES="kind:tp[:rows] ...", scripts/diag_layers.py --trace; TRACE_ENV="K=V ..." extra
-#      environment for them, e.g. GLM53_TRACE_MARKS=1) -> trace.log; HOP="args": scripts/bench_hop.py -> trace.log;
+#      environment for them, e.g. GLM53_TRACE_MARKS=1; TRACE_ARGS: more diag_layers flags, e.g. --experts 288)
+#      -> trace.log; HOP="args": scripts/bench_hop.py -> trace.log;
 #   3. time_layers over TIMING (';'-separated scripts/time_matrix.py argument sets) -> timing.jsonl / .log;
 #      BASE=dir (a checkout of the commit before, e.g. `git archive` into .base/) times BASE_TIMING there
 #      too, in the same call, for side-by-side ratios (its records carry "tree": "base"); TIMING2 with
@@ -56,7 +57,8 @@ for kt in ${TRACES:-}; do
   IFS=: read -r k tp r <<< "$kt"
   [ "$(left)" -lt 60 ] && { echo "trace $kt not started (deadline)" >> "$S"; continue; }
   echo "##### trace $k tp $tp rows ${r:-1}" >> "$OUT/trace.log"
-  timeout 120 env ${TRACE_ENV:-} python3 scripts/diag_layers.py --kind $k --tp $tp --rows ${r:-1} --pos 8191 --trace 2>&1 \
+  timeout 120 env ${TRACE_ENV:-} python3 scripts/diag_layers.py --kind $k --tp $tp --rows ${r:-1} --pos 8191 --trace \
+    ${TRACE_ARGS:-} 2>&1 \
     | grep -v "task#" >> "$OUT/trace.log"
 done
 if [ -n "${HOP:-}" ]; then

@@ -97,6 +97,27 @@ def test_kda_tp2_simulated(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
                    label="tp2")
 
 
+def test_kda_act_fold(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch):
+    """act_fold (launches/kda.py act_fold_width): at widths up to 2 moe_down joins its expert group's routed
+    activations itself and there is no act stage for them. Pinned on (grouped, 3 groups) and off at the same
+    width: bitwise the same output, state and window (the join is the same code in the same order); the
+    reference; every wait site faulted, then a clean launch."""
+    X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 2, gen)
+    monkeypatch.setattr(KdaLaunch, "down_groups", tiny_cfg.num_experts_per_tok + 1)
+    outs = {}
+    for width in (0, 2):
+        monkeypatch.setattr(KdaLaunch, "act_fold_width", width)
+        L = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=2)
+        assert L.act_fold == (width == 2) and ("act" in L.schedule.stage_names) == (width == 0)
+        S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
+        poison_scratch(L)
+        outs[width] = (L.run(X, S, W), S, W)
+        check_step(L, outs[width][0], S, W, tiny_ref, caches, KDA_LAYER, X, TOL_BF16, label=f"fold-width{width}")
+    for a, b in zip(outs[0], outs[2]):
+        assert torch.equal(a, b)
+    fault_every_site(L, X, *rank_state(tiny_cfg, caches, KDA_LAYER), list(L.sites), clean_after=("kda.xe",))
+
+
 def test_kda_grouped_moe_down(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch):
     """moe_down in expert groups (the real shapes' choice, schedule.py choose_groups: 3 at TP1 and TP8) joined
     by down_join: the reference at TP1 (2 of 4 rows) and in simulated TP2, its wait site `dp` faulted and

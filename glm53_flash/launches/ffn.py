@@ -29,8 +29,8 @@ BOX_BASE_H = 64
 BOX_BASE: tl.constexpr = tl.constexpr(BOX_BASE_H)
 COMMON_BOXES = ("hp1", "a_in", "o", "hp2", "a", "h", "rl", "xe", "hg", "sel", "dp", "cf1", "cf2")
 COMMON_ROWS = ("part1", "part2", "coef1", "coef2", "a_in_rows", "a_rows", "o_rows", "y1", "xmid", "h_rows", "y2",
-               "part_r", "ids_rec", "rw_rec", "act_e", "hpart", "epart", "dpart")
-COMMON_SCALARS = ("hdr", "site_xo", "site_xd", "npart1", "npart2", "nrpart")
+               "part_r", "ids_rec", "rw_rec", "act_e", "hpart", "epart", "dpart", "act_cta")
+COMMON_SCALARS = ("hdr", "site_xo", "site_xd", "npart1", "npart2", "nrpart", "act_fold")
 
 
 def meta_layout(boxes: tuple, rows_regions: tuple):
@@ -43,7 +43,8 @@ def meta_layout(boxes: tuple, rows_regions: tuple):
 
 _META, _ = meta_layout(COMMON_BOXES, COMMON_ROWS)
 (M_PART1, M_PART2, M_COEF1, M_COEF2, M_AIN, M_A, M_ON, M_Y1, M_XMID, M_H, M_Y2, M_PART_R, M_IDS, M_RW, M_ACTE, M_HPART,
- M_EPART, M_DPART, M_HDR, M_SITE_XO, M_SITE_XD, M_NPART1, M_NPART2, M_NRPART) = (tl.constexpr(_META[n])
+ M_EPART, M_DPART, M_ACT_CTA, M_HDR, M_SITE_XO, M_SITE_XD, M_NPART1, M_NPART2, M_NRPART,
+ M_ACT_FOLD) = (tl.constexpr(_META[n])
                                                                       for n in COMMON_ROWS + COMMON_SCALARS)
 (B_HP1, B_AIN, B_O, B_HP2, B_A, B_H, B_RL, B_XE, B_HG, B_SEL, B_DP, B_CF1,
  B_CF2) = (tl.constexpr(i) for i in range(len(COMMON_BOXES)))

@@ -12,6 +12,7 @@ Stages (host side: layer_host.py _ffn_graph for dense, kda.py _ffn_graph for the
             expert's gate|up tile -> epart [KS_E, width, KE, 2, I_E]                         box xe
   act       joins the planes in plane order, clamped SwiGLU, bf16: kind 0 the dense / shared h
             columns (waits hg), kind 1 a row's expert activations act_e (waits xe)           box h
+            (act_fold, 1-2 rows: no kind 1 tasks; moe_down waits xe and joins its group's itself)
   down      dense down tiles, or moe_down (routed experts in rank order, then the shared one),
             after h; TP 1: y2 + hc_post -> X_out; TP > 1: xd pairs. With KG > 1 (schedule.py
             choose_groups) moe_down tasks are (tile, expert group) -> dpart planes            box dp
@@ -25,15 +26,16 @@ not linear, so the slices join before it, in a small act stage (one hop, ~1-2 us
 import triton
 import triton.language as tl
 
+from sync.asm import fence_acq_rel, in_interpreter
 from sync.device import trace_mark
 
 from ..kernels.gemv import gemv_store, gemv_stream, plane_sum
 from ..kernels.mlp import swiglu_clamped
 from ..kernels.moe import (expert_id, moe_down_group, router_finish, router_prefetch, router_select,
                            router_store_partial, router_store_record)
-from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACTE, M_COEF2, M_DPART, M_EPART, M_H, M_HPART,
-                  M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles, act_at, add_cols, f32_at,
-                  gemv_tile, i32_at, l2_prefetch_rows, post_cols, signal, waitb, waitb2)
+from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACT_CTA, M_ACT_FOLD, M_ACTE, M_COEF2, M_DPART,
+                  M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles,
+                  act_at, add_cols, f32_at, gemv_tile, i32_at, l2_prefetch_rows, post_cols, signal, waitb, waitb2)
 from .mixer_kda import xchg_publish
 
 FFN_BASE = tl.constexpr(40)
@@ -252,17 +254,46 @@ def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy,
 
 
 @triton.jit(noinline=True)
-def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, g, width, tp_rank, tp_size, tag, fault_site,
+def _group_act(scratch, meta, rr, g, pid, width, swiglu_limit, KE: tl.constexpr, I_E: tl.constexpr, KG: tl.constexpr,
+               KS_E: tl.constexpr, ACT_F32: tl.constexpr):
+    """act_fold: row rr's activations of expert group g's routed experts, joined from the epart planes exactly
+    as the act stage does (swiglu_join, plane order), into this CTA's act_cta row; visible to the CTA's own
+    cp.async reads once every thread has fenced and passed the barrier (_group_src: where it lies)."""
+    PG: tl.constexpr = (KE + 1) // KG
+    src = _group_src(scratch, meta, g, pid, KE, I_E, KG, ACT_F32)
+    tl.debug_barrier()                                  # the previous row's GEMVs are done with the row
+    swiglu_join(f32_at(scratch, meta, M_EPART) + rr * KE * 2 * I_E, width * KE * 2 * I_E, src, g * PG * I_E,
+                tl.minimum(g * PG + PG, KE) * I_E, swiglu_limit, I_E, KS_E, ACT_BLOCK)
+    if not in_interpreter():
+        fence_acq_rel()                                 # each thread's stores reach L2 (cp.async.cg reads there)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _group_src(scratch, meta, g, pid, KE: tl.constexpr, I_E: tl.constexpr, KG: tl.constexpr, ACT_F32: tl.constexpr):
+    """act_e-shaped pointer into this CTA's act_cta row (expert j of group g at + j * I_E), formed from the meta
+    word where it is used, so the GEMV's x loads stay provably 16-byte aligned (vector copies)."""
+    PG: tl.constexpr = (KE + 1) // KG
+    return act_at(scratch, meta, M_ACT_CTA, ACT_F32) + pid * (PG * I_E) - g * (PG * I_E)
+
+
+@triton.jit(noinline=True)
+def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, g, width, tp_rank, tp_size, tag, fault_site, fold, pid,
                   E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, I_E: tl.constexpr, KE: tl.constexpr,
                   ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr,
                   NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr, KG: tl.constexpr):
     """Row rr's MoE output columns [n0, n0 + BLOCK_N) from expert group g of KG (kernels/moe.py
-    moe_down_group; KG == 1: all K + 1 GEMVs, moe_down_finish's sum). KG == 1: y2 (TP 1) or this rank's xd
-    slot (TP > 1); KG > 1: partial plane g of dpart, which down_join adds up."""
+    moe_down_group; KG == 1: all K + 1 GEMVs, moe_down_finish's sum); the routed activations from act_e's row,
+    or (fold) from _group_act's. KG == 1: y2 (TP 1) or this rank's xd slot (TP > 1); KG > 1: partial plane g
+    of dpart, which down_join adds up."""
     PG: tl.constexpr = (KE + 1) // KG
+    if fold != 0:
+        act_src = _group_src(scratch, meta, g, pid, KE, I_E, KG, ACT_F32)
+    else:
+        act_src = act_at(scratch, meta, M_ACTE, ACT_F32) + rr * KE * I_E
     acc = moe_down_group(W_d, S_d, act_at(scratch, meta, M_H, ACT_F32) + rr * I,
                          i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
-                         act_at(scratch, meta, M_ACTE, ACT_F32) + rr * KE * I_E, w_de, s_de, n0, g * PG, g * PG + PG,
+                         act_src, w_de, s_de, n0, g * PG, g * PG + PG,
                          E, H, I_E, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, KE)
     if KG > 1:
         gemv_store(f32_at(scratch, meta, M_DPART) + (g * width + rr) * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
@@ -275,18 +306,22 @@ def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, g, width, tp_
 
 @triton.jit(noinline=True)
 def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, a3, rdy,
-                  pid, tag, hdr, timeout_ns, fault_site, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                  I_E: tl.constexpr, KE: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                  pid, tag, hdr, timeout_ns, fault_site, swiglu_limit, E: tl.constexpr, H: tl.constexpr,
+                  I: tl.constexpr, I_E: tl.constexpr, KE: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr,
-                  NEXTN: tl.constexpr, B_Z: tl.constexpr, KG: tl.constexpr):
+                  NEXTN: tl.constexpr, B_Z: tl.constexpr, KG: tl.constexpr, KS_E: tl.constexpr):
     """MoE down tiles a0 .. a0 + a1 - 1, expert group a3 of KG, row by row (routed experts in rank order,
     then the shared expert), after the h wait (every activation and the record are in). KG == 1: TP 1 y2,
     then _post_ffn (producer a2); TP > 1 xd. KG > 1: partial planes, producer a2 of dp. -> (ok, rdy).
     The routed experts' weights depend only on the record (sel), complete a stage and more before h: the task
-    waits on sel first and moves its group's routed tiles toward L2 before it waits on h."""
+    waits on sel first and moves its group's routed tiles toward L2 before it waits on h.
+    act_fold (meta word; launches/kda.py, small widths): there is no act stage for the routed experts; h holds
+    the shared expert's activations only, and the task waits on xe and joins its group's routed activations
+    per row itself (_group_act: the same code and order, so the same bits)."""
     PG: tl.constexpr = (KE + 1) // KG
     l2_prefetch_rows(W_d, a0 * BLOCK_N, H, I, BLOCK_N)                  # shared expert's weights
     ids = i32_at(scratch, meta, M_IDS)
+    fold = tl.load(meta + M_ACT_FOLD)
     ok, rdy = waitb(scratch, meta, B_SEL, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         j = 0
@@ -303,13 +338,18 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
             ok, rdy = waitb2(scratch, meta, B_CF2, B_H, rdy, pid, tag, hdr, timeout_ns)
         else:
             ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
+        if (ok != 0) & (fold != 0):
+            ok, rdy = waitb(scratch, meta, B_XE, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
         n0 = (a0 + j) * BLOCK_N
         rr = 0
         while rr < rows:
+            if fold != 0:
+                _group_act(scratch, meta, rr, a3, pid, width, swiglu_limit, KE, I_E, KG, KS_E, ACT_F32)
             _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, a3, width, tp_rank, tp_size, tag,
-                          fault_site, E, H, I, I_E, KE, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32, KG)
+                          fault_site, fold, pid, E, H, I, I_E, KE, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32,
+                          KG)
             rr += 1
         j += 1
     if KG == 1:
@@ -384,8 +424,8 @@ def ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_
     elif fam == 45:                                    # moe_down: tiles a0 .. a0 + a1 - 1, row by row
         if MOE:
             ok, rdy = moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0,
-                                    a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, E, H, I, I_E, KE, ROWS_PAD,
-                                    BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32, NEXTN, B_Z, KG)
+                                    a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, swiglu_limit, E, H, I, I_E,
+                                    KE, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32, NEXTN, B_Z, KG, KS_E)
     elif fam == 48:                                    # down_join: tiles a0 .. a0 + a1 - 1, producer a2
         ok, rdy = down_join_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, rdy, pid, tag,
                                  hdr, timeout_ns, fault_site, H, ROWS_PAD, BLOCK_N, NEXTN, B_Z, KG)

@@ -8,7 +8,8 @@ The mixer half is the shared KDA layer launch (launches/kda_layer.py, layer_host
              shared expert's act tasks ride here ([waits hg] -> h)
   experts    [waits sel] static slots (row, rank j, intermediate tile, K slice): the chosen expert's
              gate|up slice -> epart planes (xe)
-  act        [waits xe] the expert planes joined, clamped SwiGLU -> act_e (h)
+  act        [waits xe] the expert planes joined, clamped SwiGLU -> act_e (h); only wider than act_fold_width
+             rows: up to it (1-2 rows) moe_down waits xe and joins its own expert group's activations
   down       [waits h] per row: the k experts' down tiles in rank order times their weights, then the
              shared expert's; in KG expert groups (dp) joined by down_join; TP 1: hc_post -> X_out;
              TP > 1: tagged pairs to every rank, rank-order sum in down_sum.
@@ -16,6 +17,8 @@ Expert weights are packed once at build into banks (kernels/moe.py pack_experts)
 w_d [E, H, I] (+ FP8 scales), this rank's intermediate shard.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -35,6 +38,10 @@ class KdaLaunch(KdaLayerLaunch):
 
     kind = "kda"
     down_groups: int | None = None          # moe_down expert groups; None: schedule.py choose_groups (tests pin it)
+    # moe_down joins its own experts' activations (no act stage, one hop fewer) up to this width; wider, a row's
+    # join is repeated by every down tile's task, so the act stage does it once. Same bits either way.
+    # GLM53_ACT_FOLD_WIDTH sets it for A/B timings (0: never).
+    act_fold_width: int = int(os.environ.get("GLM53_ACT_FOLD_WIDTH", "2"))
 
     @classmethod
     def site_names(cls, tp_size: int = 1, block_v_split: bool = False, down_groups: int = 1) -> list[str]:
@@ -92,6 +99,7 @@ class KdaLaunch(KdaLayerLaunch):
                                                      self.block_n * self.I_E * self.w_de.element_size())
         if (self.KE + 1) % self.kg:
             raise ValueError(f"{self.kind}: down_groups={self.kg} must divide the {self.KE + 1} expert GEMVs of a tile")
+        self.act_fold = self.width <= self.act_fold_width
 
     def _ffn_graph(self, g, wb: int) -> None:
         H, tp, BN, W = self.H, self.tp_size, self.block_n, self.width
@@ -122,18 +130,20 @@ class KdaLaunch(KdaLayerLaunch):
                               nbytes=2 * BN * H * wbe // self.ks_e)
                         slot += 1
         self.n_box["xe"] = slot
-        g.stage("act")
         n = self.KE * self.I_E
-        for r in range(W):
-            for c0 in range(0, n, ACT_COLS):
-                g.add("act", (1, r, c0, min(c0 + ACT_COLS, n), prod), reads=("xe",), writes=("h",),
-                      nbytes=2 * min(ACT_COLS, n - c0) * 4 * self.ks_e)
-                prod += 1
+        if not self.act_fold:
+            g.stage("act")
+            for r in range(W):
+                for c0 in range(0, n, ACT_COLS):
+                    g.add("act", (1, r, c0, min(c0 + ACT_COLS, n), prod), reads=("xe",), writes=("h",),
+                          nbytes=2 * min(ACT_COLS, n - c0) * 4 * self.ks_e)
+                    prod += 1
         self.n_box["h"] = prod
         g.stage("down")
         row_bytes = W * (self.KE * self.I_E * wbe + self.I * wb)
+        rd = ("sel", "xe", "h") if self.act_fold else ("sel", "h")         # (site order as site_names)
         if self.kg > 1:
-            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("sel", "h"), ("dp",), "dp", ret_ranges=True,
+            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, rd, ("dp",), "dp", ret_ranges=True,
                                       k_split=self.kg)
             g.stage("down_join")
             for s, (t0, n) in enumerate(ranges):
@@ -141,10 +151,10 @@ class KdaLaunch(KdaLayerLaunch):
                       writes=("xd",) if tp > 1 else (),
                       nbytes=self.kg * W * n * BN * 4)
         elif tp == 1:
-            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("sel", "h") + self._hc_post_reads("cf2"), (),
+            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, rd + self._hc_post_reads("cf2"), (),
                                       None, ret_ranges=True)
         else:
-            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, ("sel", "h") + self._hc_post_reads("cf2"),
+            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, rd + self._hc_post_reads("cf2"),
                                       ("xd",), None, ret_ranges=True)
         if tp > 1:
             self._peers(g, "peer_d", ranges, "xd")

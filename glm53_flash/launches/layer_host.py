@@ -228,6 +228,7 @@ class KdaLayerLaunch(Launch):
     def _no_moe(self) -> None:
         """Dense FFN: the MoE arguments are placeholders the kernel never reads (MOE=False)."""
         self.moe, self.E, self.KE, self.I_E, self.nrpart, self.ks_e, self.kg = False, 1, 1, 1, 1, 1, 1
+        self.act_fold = False
         self.W_r = self.bias_r = self.fn1
         self.w_gu = self.s_gu = self.w_de = self.s_de = self.W_g
 
@@ -416,6 +417,8 @@ class KdaLayerLaunch(Launch):
         pl.rows("hpart", (self.ks_gu, W, 2, self.I), f32)                       # gate|up K-slice planes
         pl.rows("epart", (self.ks_e, W, self.KE, 2, self.I_E), f32)
         pl.rows("dpart", (self.kg, W, H), f32)                                  # moe_down expert-group planes
+        # act_fold: each CTA's moe_down joins its expert group's activations of one row here (ffn_tasks.py)
+        pl.rows("act_cta", (self.grid, ((self.KE + 1) // self.kg) * self.I_E), bf)
 
     def _plan_boxes(self, pl: Planner) -> None:
         for b in self.META_LAYOUT[0]:
@@ -431,6 +434,7 @@ class KdaLayerLaunch(Launch):
         m[meta["hdr"]] = L["hdr"].elem_offset()
         m[meta["site_xo"]], m[meta["site_xd"]] = sched.site_id("xo"), sched.site_id("xd")
         m[meta["npart1"]], m[meta["npart2"]], m[meta["nrpart"]] = self.npart1, self.npart2, self.nrpart
+        m[meta["act_fold"]] = int(self.act_fold)
         for i, b in enumerate(boxes):
             r = L["box_" + b]
             m[BOX_BASE + 4 * i: BOX_BASE + 4 * i + 4] = [r.elem_offset(), r.shape[1], self.n_box.get(b, 0),
