@@ -110,6 +110,23 @@ def build_parser() -> argparse.ArgumentParser:
     du.add_argument("--seed", type=int, default=0, help="weights and inputs seed")
     du.add_argument("--pos", type=int, default=27, help="decode position of the sparse / nextn launches")
 
+    bu = sub.add_parser("build", help="offline sm_90 build report: registers, spills, shared memory, CTAs per SM",
+                        description="Compiles every launch kind's persistent kernel for sm_90 at the real per-rank "
+                                    "shapes (Triton's bundled ptxas; no GPU needed) and lists registers, spill "
+                                    "bytes, shared memory and resident CTAs per SM beside the CTAs per SM the "
+                                    "launch asks for. Widths share a build (rows are a runtime argument) except "
+                                    "the tail's. Exit status 1 if a build does not fit. A full matrix takes tens "
+                                    "of minutes on 2 cores: narrow it with --kinds / --tp / --weights.")
+    bu.add_argument("--report", action="store_true", required=True, help="print the report (the only action)")
+    bu.add_argument("--kinds", type=_kinds, default=["embed", "dense", "kda", "sparse", "nextn", "tail"],
+                    metavar="KIND,...", help="launch kinds (default: all six)")
+    bu.add_argument("--tp", type=lambda s: [int(t) for t in s.split(",") if t], default=[1, 2, 4, 8],
+                    metavar="T,...", help="TP degrees (default 1,2,4,8)")
+    bu.add_argument("--weights", type=lambda s: [f for f in s.split(",") if f], default=["bf16", "fp8"],
+                    metavar="FMT,...", help="weight formats (default bf16,fp8)")
+    bu.add_argument("--warps", type=int, default=4, help="warps per CTA (default 4, the launches')")
+    bu.add_argument("--json", help="also write the rows as JSON lines to this file")
+
     c = sub.add_parser("compare", help="compare two dumps byte for byte (exit 1 on any difference)",
                        description="Checks two `dump` directories byte for byte: lists every differing tensor "
                                    "with its first differing index and its count of differing elements, and "
@@ -221,12 +238,36 @@ def cmd_compare(a) -> int:
     return 1 if diffs else 0
 
 
+def cmd_build(a) -> int:
+    import json
+
+    from . import build_report as br
+    from .config import preset
+    from .sm90_regs import kernel_registers, ptxas_available
+    bad = [f for f in a.weights if f not in ("bf16", "fp8")]
+    if bad:
+        raise ValueError(f"--weights: {bad} (choose from bf16, fp8)")
+    for t in a.tp:
+        preset("glm53-flash").check_tp(t)              # the real shapes the report compiles
+    if not ptxas_available():
+        raise FileNotFoundError("Triton's bundled ptxas is missing (triton/backends/nvidia/bin/ptxas)")
+    blds = br.builds(a.kinds, tuple(a.tp), tuple(a.weights), a.warps)
+    print(f"compiling {len(blds)} builds for sm_90 ...", file=sys.stderr, flush=True)
+    rows = br.report_rows(blds, kernel_registers([b["spec"] for b in blds], timeout=3600))
+    print(br.format_table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0 if all(r["fits"] for r in rows) else 1
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     _prepare_device(getattr(a, "device", "cpu"))
     try:
         return {"make-checkpoint": cmd_make_checkpoint, "generate": cmd_generate, "demo": cmd_demo,
-                "sites": cmd_sites, "dump": cmd_dump, "compare": cmd_compare}[a.cmd](a)
+                "sites": cmd_sites, "dump": cmd_dump, "compare": cmd_compare, "build": cmd_build}[a.cmd](a)
     except (ValueError, FileNotFoundError) as e:   # ConfigError/CheckpointError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2

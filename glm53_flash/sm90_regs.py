@@ -6,9 +6,10 @@ target it does not run on, and its wheel ships NVIDIA's ptxas, whose `-v` report
 spill bytes. The compile runs in a subprocess because TRITON_INTERPRET (set for CPU tests) must be off
 when the kernels are defined.
 
-A spec is (module, kernel name, signature {arg: type}, constexprs {name: value}, num_warps[, divisible]):
-`divisible` names the int args a launch passes as multiples of 16 (pointers are always taken 16-byte
-aligned), as Triton would specialise them at a real launch.
+A spec is (module, kernel name, signature {arg: type}, constexprs {name: value}, num_warps[, divisible
+[, options]]): `divisible` names the int args a launch passes as multiples of 16 (pointers are always taken
+16-byte aligned), as Triton would specialise them at a real launch; `options` more compile options (e.g.
+{"maxnreg": 128}, the launches' ptxas cap). Each result also carries the kernel's shared memory bytes.
 """
 from __future__ import annotations
 
@@ -28,13 +29,14 @@ out = []
 for spec in json.loads(sys.argv[1]):
     mod, name, sig, consts, warps = spec[:5]
     divisible = set(spec[5]) if len(spec) > 5 else set()
+    options = dict(spec[6]) if len(spec) > 6 else {}
     fn = getattr(importlib.import_module(mod), name)
     assert list(sig) == fn.arg_names, (name, list(sig), fn.arg_names)
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if sig[n].startswith("*") or n in divisible}
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, **options))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(c.asm["ptx"])
     log = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
@@ -43,7 +45,7 @@ for spec in json.loads(sys.argv[1]):
     # noinline device functions get their own ptxas lines: registers = the largest, spills = the sum
     regs = max(int(m) for m in re.findall(r"Used (\d+) registers", log))
     spill = sum(int(m) for m in re.findall(r"(\d+) bytes spill stores", log))
-    out.append(dict(kernel=name, consts=consts, warps=warps, regs=regs, spill=spill))
+    out.append(dict(kernel=name, consts=consts, warps=warps, regs=regs, spill=spill, shared=c.metadata.shared))
 print(json.dumps(out))
 '''
 

@@ -215,29 +215,11 @@ print(json.dumps(out))
 
 
 def real_consts(tp=1, moe=False, embed=False, fp8=False, warps=4, maxnreg=DEFAULT_MAXNREG):
-    """Constexprs of a real-shape build (H 4096, 64 KDA heads x 128, dense 12288 / MoE 288 x 2048, top-8) and
-    the launch's ptxas cap (spill: local-store bytes summed over the kernel and its noinline functions)."""
-    H, d, nh = 4096, 128, 64 // tp
-    D = nh * d
-    c = dict(H=H, D=D, NH=nh, R=d, N_IN=3 * D + nh + 2 * d, I=(2048 if moe else 12288) // tp, DK=d, DV=d, BV=32, KC=4,
-             CK=32, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=5, BLOCK_C=32, GATE_BH=512, ITERS=20, ROWS_PAD=8,
-             EMBED=embed, ACT_F32=False, MOE=moe, E=288 if moe else 1, KE=8 if moe else 1,
-             I_E=(2048 // tp) if moe else 1, E_PAD=512 if moe else 1, K_PAD=8 if moe else 1, RENORM=True, BLOCK_E=16,
-             RCK=32, TRACE=False)
-    c.update(real_k_splits(c, fp8))
+    """A real-shape build (glm53_flash.build_report.layer_consts) and the launch's ptxas cap (spill: local-store
+    bytes summed over the kernel and its noinline functions)."""
+    from glm53_flash.build_report import layer_consts
     return dict(name=f"{'kda' if moe else 'embed' if embed else 'dense'}-tp{tp}-{'fp8' if fp8 else 'bf16'}-w{warps}",
-                consts=c, fp8=fp8, warps=warps, maxnreg=maxnreg)
-
-
-def real_k_splits(c, fp8):
-    """KS_IN / KS_GU / KS_E as the launches choose them (schedule.py choose_k_split) for constexprs c."""
-    from glm53_flash.schedule import choose_groups, choose_k_split
-    wb = 1 if fp8 else 2
-    step = c["BLOCK_N"] * 128
-    ks = lambda n, w: choose_k_split(-(-n // c["BLOCK_N"]), c["H"] // 128, step * w)     # noqa: E731
-    return dict(KS_IN=ks(c["N_IN"], 2) if "N_IN" in c else 1, KS_GU=ks(c["I"], 2 * wb),
-                KS_E=ks(c["KE"] * c["I_E"], 2 * wb) if c["MOE"] else 1,
-                KG=choose_groups(c["H"] // c["BLOCK_N"], c["KE"] + 1, c["BLOCK_N"] * c["I_E"] * wb) if c["MOE"] else 1)
+                consts=layer_consts(tp, moe, embed, fp8), fp8=fp8, warps=warps, maxnreg=maxnreg)
 
 
 def compile_sm90(variants):

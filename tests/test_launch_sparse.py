@@ -531,45 +531,9 @@ def test_gpu_sparse(pos, rows, tp, fmt):
 
 # ---------------------------------------------------------------------------- offline sm_90 compile
 def sm90_spec(nextn=False, tp=1, fp8=False, warps=4, block_t=32):
-    """glm53_flash.sm90_regs spec of the sparse / nextn kernel at real shapes (H 4096, 64 heads / tp,
-    latent 512, 288 experts / top-8): argument types from a tiny launch's kernel_args (the same
-    arguments), constexprs as SparseLaunch.kernel_args gives them at the real config."""
-    from glm53_flash.config import preset
-    from glm53_flash.launches.nextn import NextnLaunch
-    from glm53_flash.launches.sparse_layer import sparse_layer_kernel as k
-    from glm53_flash.weights import RandomWeights
-    cfg = preset("tiny")
-    w = RandomWeights(cfg, seed=0, cache=True)
-    caches = __import__("glm53_flash.reference.caches", fromlist=["x"]).DecodeCaches.allocate(cfg, 1, 64)
-    bf = torch.bfloat16                                          # the GPU cache layout
-    if nextn:
-        L = NextnLaunch(cfg, w, max_len=64, logits=False)
-        L.set_input(torch.zeros(1, cfg.hidden_size), torch.tensor([1]), *layer_caches(caches, 2, bf, bf), [3])
-    else:
-        L = SparseLaunch(cfg, w, LAYER, max_len=64)
-        L.set_input(torch.zeros(1, 4, cfg.hidden_size), *layer_caches(caches, 0, bf, bf), [3])
-    args, const = L.kernel_args(0, 1, 1, -1)
-    ty = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int32: "*i32", torch.int64: "*i64"}
-    runtime = [n for n in k.arg_names if n not in const]
-    sig = {n: ty[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else
-           "i64" if n == "timeout_ns" else "i32" for n, a in zip(runtime, args)}
-    if fp8:
-        sig.update({n: "*fp8e4nv" for n in ("W_qa", "W_kva", "W_qb", "W_o", "W_g", "W_u", "W_d", "w_gu", "w_de")})
-        sig.update({n: "*fp32" for n in ("S_qa", "S_kva", "S_qb", "S_o", "S_g", "S_u", "S_d", "s_gu", "s_de")})
-    NH, I = 64 // tp, 2048 // tp
-    real = dict(H=4096, QL=1536, C=512, DI=128, NI=32, NA=2336, NH=NH, DN=256, DV=256, NQ=NH * 256 + 4096, KP=4,
-                TOPK=512, WIDTH=2051, I=I, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=3, BLOCK_C=32, GATE_BH=512,
-                ITERS=20, ROWS_PAD=8, ACT_F32=False, ABS_C=64, ABS_CK=64, HB=min(16, NH), BLOCK_T=block_t, ATT_CK=32,
-                OUT_N=64, OUT_PF=128, BLOCK_P=16, T_MAX=16, BITS=8, SEL_BLOCK=1024, NORM_BLOCK=256, E=288, KE=8,
-                I_E=I, E_PAD=512, K_PAD=8, RENORM=True, BLOCK_E=16, RCK=32, NEXTN=nextn,
-                TRACE=False, MOE=True)
-    from test_launch_kda import real_k_splits
-    ks = real_k_splits(real, fp8)
-    real.update(KS_GU=ks["KS_GU"], KS_E=ks["KS_E"], KG=ks["KG"])
-    del real["MOE"]
-    assert set(real) == set(const), set(real) ^ set(const)
-    sig.update({n: "constexpr" for n in real})
-    return ["glm53_flash.launches.sparse_layer", "sparse_layer_kernel", {n: sig[n] for n in k.arg_names}, real, warps]
+    """glm53_flash.build_report's spec of the sparse / nextn kernel at real shapes."""
+    from glm53_flash.build_report import dsa_spec
+    return dsa_spec("nextn" if nextn else "sparse", tp, fp8, warps, block_t)
 
 
 def compile_sm90(variants):

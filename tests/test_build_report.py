@@ -1,0 +1,56 @@
+"""`python -m glm53_flash build --report` (glm53_flash/build_report.py): the residency verdict on planted
+stats (a build that no longer fits is reported and fails the command), one real offline sm_90 compile through
+the command, and its input errors."""
+import json
+
+import pytest
+
+from glm53_flash import build_report as br
+from glm53_flash.__main__ import main
+from glm53_flash.launches.layer_host import DEFAULT_MAXNREG
+
+
+def _bld(kind, warps=4):
+    return dict(kind=kind, tp="8", fmt="bf16", widths=(1, 2, 4, 8), spec=["m", "k", {}, {}, warps])
+
+
+def test_residency_verdict_on_planted_stats():
+    blds = [_bld("kda"), _bld("kda"), _bld("tail"), _bld("sparse")]
+    stats = [dict(regs=128, spill=0, shared=72 * 1024),       # 4 by registers, 3 by shared memory: 2 fit
+             dict(regs=255, spill=900, shared=120 * 1024),    # 2 by registers, 1 by shared memory
+             dict(regs=255, spill=0, shared=200 * 1024),      # the tail fits its grid to what is resident
+             dict(regs=255, spill=0, shared=240 * 1024)]      # more shared memory than an SM has
+    rows = br.report_rows(blds, stats)
+    assert [r["ctas_per_sm"] for r in rows] == [3, 1, 1, 0]
+    assert [r["fits"] for r in rows] == [True, False, True, False]
+    table = br.format_table(rows)
+    assert table.count("| NO") == 2 and "<= 4" in table
+
+
+def test_builds_share_widths_except_the_tail():
+    from glm53_flash.launches.kda_layer import kda_layer_kernel
+    blds = br.builds(("dense", "tail"), (1, 8), ("bf16",))
+    assert [(b["kind"], b["tp"], b["widths"]) for b in blds] == [
+        ("dense", "1", (1, 2, 4, 8)), ("dense", "8", (1, 2, 4, 8)), ("tail", "1,8", (1, 2, 4)), ("tail", "1,8", (8,))]
+    spec = blds[1]["spec"]
+    assert list(spec[2]) == kda_layer_kernel.arg_names and spec[6] == {"maxnreg": DEFAULT_MAXNREG}
+    assert spec[3]["I"] == 12288 // 8 and spec[3]["NH"] == 8
+    assert blds[2]["spec"][3]["XR"] == 4 and blds[3]["spec"][3]["XR"] == 8 and blds[3]["spec"][6] == {}
+
+
+def test_build_report_command_compiles(tmp_path, capsys):
+    from glm53_flash.sm90_regs import ptxas_available
+    if not ptxas_available():
+        pytest.skip("Triton's bundled ptxas is missing")
+    out = tmp_path / "r.jsonl"
+    assert main(["build", "--report", "--kinds", "dense", "--tp", "8", "--weights", "bf16", "--json", str(out)]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["kind"] == "dense" and row["tp"] == "8" and row["fits"]
+    assert 0 < row["regs"] <= DEFAULT_MAXNREG and row["shared"] > 0 and row["ctas_per_sm"] >= 2
+    assert "dense | 8 | bf16 | 1,2,4,8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, msg", [(["--weights", "int8"], "--weights"), (["--tp", "3"], "tp=3")])
+def test_build_report_bad_input(args, msg, capsys):
+    assert main(["build", "--report", "--kinds", "dense"] + args) == 2
+    assert msg in capsys.readouterr().err
