@@ -119,6 +119,39 @@ def line_match_ptx(w: list[str], tag: str, acc: str, bit: str, pred: str) -> lis
     return a
 
 
+def _line_check_ptx(w: list[str], n_prod: str) -> list[str]:
+    # after the line's loads: want = its words (n_prod - first, at most 32) -> a mask; the lane moves to its next
+    # line (+ 32) once every wanted word carries the tag
+    return (["sub.s32 %vwant, " + n_prod + ", %vfirst;",
+             "setp.ge.s32 %vp2, %vwant, 32;",
+             "shl.b32 %vm, 1, %vwant;",
+             "sub.u32 %vm, %vm, 1;",
+             "selp.b32 %vm, -1, %vm, %vp2;"]
+            + line_match_ptx(w, "$3", "%vacc", "%vb", "%vp2")
+            + ["and.b32 %vacc, %vacc, %vm;",
+               "setp.eq.u32 %vp2, %vacc, %vm;",
+               "@%vp2 add.u32 %vline, %vline, 32;"])
+
+
+def _vote_end_ptx() -> list[str]:
+    # %vp1 = this lane is past its lines: all lanes past -> fence and leave; else lane 0's abort word or the
+    # budget ends the spin (any lane: the warp leaves together, $0 = 0), or the next poll cycle
+    return ["vote.sync.all.pred %vp3, %vp1, 0xffffffff;",
+            "@%vp3 bra VOTE_FENCE;",
+            "setp.eq.u32 %vp4, %vab, $3;",                # lane 0: the launch aborted
+            "mov.u64 %vt1, %globaltimer;",
+            "sub.s64 %vt1, %vt1, %vt0;",
+            "setp.gt.s64 %vp5, %vt1, $5;",                # out of time
+            "or.pred %vp4, %vp4, %vp5;",
+            "vote.sync.any.pred %vp4, %vp4, 0xffffffff;",
+            "@!%vp4 bra VOTE_TOP;",
+            "mov.u32 $0, 0;",
+            "VOTE_FENCE:",
+            "fence.acq_rel.gpu;",
+            "VOTE_OUT:",
+            "}"]
+
+
 def _spin_warp0_ptx() -> str:
     # Warp 0 polls, the other warps return at once (they wait at the caller's barrier). Lane l polls lines
     # l, l + 32, ... (one at a time, the next once the current one is complete); lane 0 alone loads the
@@ -142,34 +175,11 @@ def _spin_warp0_ptx() -> str:
          "@%vp1 bra VOTE_JOIN;",
          "mul.wide.u32 %va, %vline, 128;",
          "add.u64 %va, %va, $1;"]
-    a += line_loads_ptx(w, "%va")
-    a += ["sub.s32 %vwant, $2, %vfirst;",
-          "setp.ge.s32 %vp2, %vwant, 32;",
-          "shl.b32 %vm, 1, %vwant;",
-          "sub.u32 %vm, %vm, 1;",
-          "selp.b32 %vm, -1, %vm, %vp2;"]
-    a += line_match_ptx(w, "$3", "%vacc", "%vb", "%vp2")
-    a += ["and.b32 %vacc, %vacc, %vm;",
-          "setp.eq.u32 %vp2, %vacc, %vm;",
-          "@%vp2 add.u32 %vline, %vline, 32;",        # this line is complete: the lane's next one
-          "VOTE_JOIN:",
+    a += line_loads_ptx(w, "%va") + _line_check_ptx(w, "$2")
+    a += ["VOTE_JOIN:",
           "shl.b32 %vfirst, %vline, 5;",
-          "setp.ge.s32 %vp1, %vfirst, $2;",
-          "vote.sync.all.pred %vp3, %vp1, 0xffffffff;",
-          "@%vp3 bra VOTE_FENCE;",
-          "setp.eq.u32 %vp4, %vab, $3;",                # lane 0: the launch aborted
-          "mov.u64 %vt1, %globaltimer;",
-          "sub.s64 %vt1, %vt1, %vt0;",
-          "setp.gt.s64 %vp5, %vt1, $5;",                # out of time
-          "or.pred %vp4, %vp4, %vp5;",
-          "vote.sync.any.pred %vp4, %vp4, 0xffffffff;",
-          "@!%vp4 bra VOTE_TOP;",
-          "mov.u32 $0, 0;",
-          "VOTE_FENCE:",
-          "fence.acq_rel.gpu;",
-          "VOTE_OUT:",
-          "}"]
-    return "\n".join(a)
+          "setp.ge.s32 %vp1, %vfirst, $2;"]
+    return "\n".join(a + _vote_end_ptx())
 
 
 SPIN_WARP0_PTX: tl.constexpr = tl.constexpr(_spin_warp0_ptx())
@@ -208,35 +218,11 @@ def _spin2_warp0_ptx() -> str:
     a += ["@%vp1 bra VOTE_JOIN;",
           "mul.wide.u32 %va, %vloc, 128;",
           "add.u64 %va, %va, %vbase;"]
-    a += line_loads_ptx(w, "%va")
-    a += ["sub.s32 %vwant, %vnp, %vfirst;",
-          "setp.ge.s32 %vp2, %vwant, 32;",
-          "shl.b32 %vm, 1, %vwant;",
-          "sub.u32 %vm, %vm, 1;",
-          "selp.b32 %vm, -1, %vm, %vp2;"]
-    a += line_match_ptx(w, "$3", "%vacc", "%vb", "%vp2")
-    a += ["and.b32 %vacc, %vacc, %vm;",
-          "setp.eq.u32 %vp2, %vacc, %vm;",
-          "@%vp2 add.u32 %vline, %vline, 32;",
-          "VOTE_JOIN:"]
-    a += line_of("%vp1")
+    a += line_loads_ptx(w, "%va") + _line_check_ptx(w, "%vnp")
+    a += ["VOTE_JOIN:"] + line_of("%vp1")
     a += ["setp.lt.u32 %vq, %vline, %vn1;",             # a block-1 line is never past the end
-          "and.pred %vp1, %vp1, !%vq;",
-          "vote.sync.all.pred %vp3, %vp1, 0xffffffff;",
-          "@%vp3 bra VOTE_FENCE;",
-          "setp.eq.u32 %vp4, %vab, $3;",
-          "mov.u64 %vt1, %globaltimer;",
-          "sub.s64 %vt1, %vt1, %vt0;",
-          "setp.gt.s64 %vp5, %vt1, $5;",
-          "or.pred %vp4, %vp4, %vp5;",
-          "vote.sync.any.pred %vp4, %vp4, 0xffffffff;",
-          "@!%vp4 bra VOTE_TOP;",
-          "mov.u32 $0, 0;",
-          "VOTE_FENCE:",
-          "fence.acq_rel.gpu;",
-          "VOTE_OUT:",
-          "}"]
-    return "\n".join(a)
+          "and.pred %vp1, %vp1, !%vq;"]
+    return "\n".join(a + _vote_end_ptx())
 
 
 SPIN2_WARP0_PTX: tl.constexpr = tl.constexpr(_spin2_warp0_ptx())
