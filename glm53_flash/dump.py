@@ -46,7 +46,8 @@ def _inputs(kind, cfg, width, device, seed, pos):
 
 
 def _run(kind, cfg, src, tp, width, device, seed, pos):
-    """One launch of `kind` on fixed inputs -> (launch, {output name: tensor})."""
+    """One launch of `kind` on fixed inputs -> (launch, {output name: tensor}). The tensors are views of the
+    launch's own output buffers (not copies), so a later enqueue of the launch rewrites them (stress.py)."""
     import torch
 
     from .launches.dense import DenseLaunch
@@ -62,8 +63,8 @@ def _run(kind, cfg, src, tp, width, device, seed, pos):
             raise ValueError("dump: the tail runs at --tp 1 only (its loopback peers are not built here)")
         L = TailLaunch(cfg, src[LM_HEAD].to(device), src[PREFIX + "norm.weight"].to(device), width=width,
                        device=device)
-        logits, tokens = L.run(x["X"])
-        return L, {"logits": logits, "tokens": tokens}
+        L.run(x["X"])
+        return L, {"logits": L.logits[:width], "tokens": L.tokens[:width]}
     if kind in ("embed", "dense", "kda"):
         cls = {"embed": EmbedLaunch, "dense": DenseLaunch, "kda": KdaLaunch}[kind]
         layer = next(p.index for p in cfg.layers if p.launch == kind)
@@ -71,18 +72,20 @@ def _run(kind, cfg, src, tp, width, device, seed, pos):
         g = torch.Generator(device="cpu").manual_seed(seed + 17 * width)
         S = (0.1 * torch.randn(width, L.NH, L.DK, L.DK, generator=g)).to(device)
         W = torch.randn(width, L.KC - 1, 3 * L.D, generator=g).to(device)
-        out = L.run(x["X"], S, W, commit=False)
-        return L, {"X_out": out, "S_out": L.S_out[:width], "W_out": L.W_out[:width]}
+        L.run(x["X"], S, W, commit=False)
+        return L, {"X_out": L.X_out[:width], "S_out": L.S_out[:width], "W_out": L.W_out[:width]}
     kw = dict(tp_rank=0, tp_size=tp, width=width, device=device, max_len=x["pos_max"])
     if kind == "nextn":
         L = NextnLaunch(cfg, src, **kw)
-        res = L.run(x["X"], x["tok"], x["lat"], x["pk"], x["tr"], x["positions"])
+        L.run(x["X"], x["tok"], x["lat"], x["pk"], x["tr"], x["positions"])
+        T = L.tail_launch
+        outs = ((T.logits[:width], T.tokens[:width]) if T is not None else ()) + (L.n_out[:width],)
     else:
         layer = next(p.index for p in cfg.layers if p.launch == "sparse")
         L = SparseLaunch(cfg, src, layer, **kw)
-        res = L.run(x["X"], x["lat"], x["pk"], x["tr"], x["positions"])
-    outs = res if isinstance(res, (tuple, list)) else (res,)
-    return L, {f"out{i}": t for i, t in enumerate(outs) if isinstance(t, torch.Tensor)}
+        L.run(x["X"], x["lat"], x["pk"], x["tr"], x["positions"])
+        outs = (L.X_out[:width],)
+    return L, {f"out{i}": t for i, t in enumerate(outs)}
 
 
 def dump(out_dir: str, kinds, tp: int, widths, weights: str, preset_name: str, device: str, seed: int = 0,

@@ -1,7 +1,16 @@
 """Protocol stress: thousands of launches of the hand-off self-test (and of the tail launch), every word
-checked after every launch, plus CUDA-graph replays that take their tags from the device epoch.
+checked after every launch, plus CUDA-graph replays that take their tags from the device epoch; and, with
+--launches KIND,..., every width of those launch kinds replayed in random width order.
 
-  python3 scripts/stress.py [--launches N] [--graph-replays R] [--tail-launches T] [--quick]
+  python3 scripts/stress.py [--selftest-launches N] [--graph-replays R] [--tail-launches T] [--quick]
+  python3 scripts/stress.py --launches embed,dense,kda,sparse,nextn,tail [--replays N] [--tp T] [--flip-bit]
+
+Launch kinds (launch_phase): each (kind, width 1/2/4/8) is built on the fixed inputs of `python -m glm53_flash
+dump` (tiny preset by default), run once clean, then captured as a CUDA graph on the GPU (eagerly replayed on the
+CPU); N replays (default 30,000 on the GPU, 4 on the CPU) pick a (kind, width) at random, and after each one every
+output word is compared bitwise with that (kind, width)'s clean result and the launch's error record is read.
+--flip-bit: one replay runs with one input bit flipped (then restored): a positive control that must show bad
+words, or the run fails. Prints the bad words, the error records and the control; exit status 1 on any.
 
 Phases (GPU): eager self-test launches over several shapes (warps 1.. of the producers sleep before
 storing, so the CTA barrier + release must cover them), a graph of 50 launches replayed R times (the
@@ -95,18 +104,111 @@ def tail_phase(launches: int) -> dict:
     return {"tail_launches": launches, "tail_wrong": wrong}
 
 
+def launch_phase(kinds, widths, replays: int, tp: int, preset_name: str, flip_bit: bool, seed: int = 0,
+                 pos: int = 27, log=print) -> dict:
+    """Random-order replays of every (kind, width), each compared bitwise with its clean result (see above)."""
+    import random
+
+    from glm53_flash import dump as dump_mod
+    from glm53_flash.config import preset
+    from glm53_flash.weights import RandomWeights
+    from sync import HandoffTimeout
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = preset(preset_name)
+    src = RandomWeights(cfg, seed=seed, cache=True)
+    items = []
+    for kind in kinds:
+        for w in widths:
+            L, outs = dump_mod._run(kind, cfg, src, tp, w, dev, seed, pos)
+            launches = [L] + ([L.tail_launch] if getattr(L, "tail_launch", None) is not None else [])
+            fn = lambda ls=launches: [x.enqueue() for x in ls]            # noqa: E731
+            if dev == "cuda":
+                fn()                                                       # warm (compiled by the clean run)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    fn()
+                fn = g.replay
+            items.append(dict(name=f"{kind}-w{w}", launches=launches, outs=outs, fn=fn,
+                              ref={n: t.detach().clone() for n, t in outs.items()}))
+            log(f"stress: {kind} width {w} built")
+    rng = random.Random(seed)
+    flip_at = rng.randrange(replays) if flip_bit else -1
+    bad = errors = control_bad = 0
+    for i in range(replays):
+        it = items[rng.randrange(len(items))]
+        L0 = it["launches"][0]
+        x = L0.X if L0.X is not None else L0.tokens          # the embed launch reads token ids
+        if i == flip_at:                         # the positive control: one bit of the launch's input (the top
+            bits = x.view(torch.int16 if x.element_size() == 2 else torch.int32 if x.element_size() == 4 else
+                          torch.int64).reshape(-1)   # mantissa bit of an activation, which survives the bf16
+            flip = ({2: 1 << 6, 4: 1 << 22}[x.element_size()] if x.dtype.is_floating_point   # rounding downstream;
+                    else 1)                                                         # bit 0 of a token id
+            bits[0] ^= flip
+        it["fn"]()
+        if i == flip_at:
+            bits[0] ^= flip
+        for L in it["launches"]:
+            try:
+                L.check()
+            except HandoffTimeout as e:
+                errors += 1
+                log(f"stress: replay {i} {it['name']}: {e}")
+        nb = sum(_bad_words(o, it["ref"][n]) for n, o in it["outs"].items())
+        if i == flip_at:
+            control_bad = nb
+        elif nb:
+            bad += nb
+            log(f"stress: replay {i} {it['name']}: {nb} bad words")
+    return {"launch_replays": replays, "launch_builds": len(items), "launch_wrong": bad, "launch_error_records": errors,
+            **({"flip_control_bad": control_bad, "control_detected": control_bad > 0} if flip_bit else {})}
+
+
+def _bad_words(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements of a whose bits differ from b's (NaNs by their bits; -0.0 differs from 0.0)."""
+    ea = a.reshape(-1).view(torch.uint8).reshape(a.numel(), -1)
+    eb = b.reshape(-1).view(torch.uint8).reshape(b.numel(), -1)
+    return int((ea != eb).any(-1).sum())
+
+
+def _kinds(s: str) -> list[str]:
+    from glm53_flash.dump import KINDS
+    ks = [k for k in s.split(",") if k]
+    bad = [k for k in ks if k not in KINDS]
+    if bad or not ks:
+        raise argparse.ArgumentTypeError(f"--launches {s!r}: kinds are {', '.join(KINDS)}")
+    return ks
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--launches", type=int, default=1000, help="eager self-test launches per shape")
+    ap.add_argument("--selftest-launches", type=int, default=1000, help="eager self-test launches per shape")
+    ap.add_argument("--launches", type=_kinds, metavar="KIND,...",
+                    help="stress these launch kinds instead (every width, random order; see the module note)")
+    ap.add_argument("--replays", type=int, help="--launches: replays (default 30000 on the GPU, 4 on the CPU)")
+    ap.add_argument("--widths", default="1,2,4,8", help="--launches: batch widths (default 1,2,4,8)")
+    ap.add_argument("--tp", type=int, default=1, help="--launches: TP degree (rank 0 of a loopback group)")
+    ap.add_argument("--preset", default="tiny", help="--launches: config preset (default tiny)")
+    ap.add_argument("--flip-bit", action="store_true", help="--launches: the positive control (one flipped input bit)")
     ap.add_argument("--graph-replays", type=int, default=40, help="replays of a 50-launch graph")
     ap.add_argument("--tail-launches", type=int, default=200)
     ap.add_argument("--quick", action="store_true", help="a few launches (smoke run)")
     a = ap.parse_args(argv)
     t0 = time.time()
     out: dict = {}
+    if a.launches:
+        replays = a.replays if a.replays is not None else (30000 if torch.cuda.is_available() else 4)
+        if replays < 1:
+            ap.error("--replays must be >= 1")
+        out.update(launch_phase(a.launches, [int(w) for w in a.widths.split(",") if w], replays, a.tp, a.preset,
+                                a.flip_bit, log=lambda m: print(m, file=sys.stderr, flush=True)))
+        ok = out["launch_wrong"] == 0 and out["launch_error_records"] == 0 and out.get("control_detected", True)
+        out.update(wrong_words=out["launch_wrong"], ok=bool(ok), seconds=round(time.time() - t0, 1))
+        print(json.dumps(out))
+        return 0 if ok else 1
     if torch.cuda.is_available():
         n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-        n = 20 if a.quick else a.launches
+        n = 20 if a.quick else a.selftest_launches
         shapes = [(n_sm, 8, n_sm, 4096, 64), (4 * n_sm, 16, 4 * n_sm, 256, 8), (2 * n_sm, 33, n_sm, 1024, 16)]
         out.update(selftest_phase(shapes, n, "cuda"))
         out.update(graph_phase(2 * n_sm, 2 if a.quick else a.graph_replays))
