@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto: every launch kind that exists runs as a kernel, the torch reference "
                              "runs the rest; reference: the torch reference only")
         sp.add_argument("--inject-fault", metavar="KIND:SITE", default=None,
-                        help="make the producer of wait site SITE in launch KIND skip its publish on the first "
+                        help="make the producer of wait site SITE (a name or its number from `sites`) in "
+                             "launch KIND skip its publish on the first "
                              "step: the HandoffTimeout is printed, the launch retried, and the tokens must "
                              "equal those of a run without the fault")
         sp.add_argument("--max-len", type=int, default=4096, help="cache length per slot (positions)")
@@ -217,8 +218,11 @@ def cmd_sites(a) -> int:
         print(f"launch kind {a.launch!r} is not implemented yet; implemented: {', '.join(available())}",
               file=sys.stderr)
         return 2
-    for i, name in enumerate(sites(a.launch)):
-        print(f"{i:3d}  {name}")
+    try:
+        for i, name in enumerate(sites(a.launch)):
+            print(f"{i:3d}  {name}", flush=True)
+    except BrokenPipeError:                         # `sites ... | head`: the reader left; exit quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -36,7 +36,7 @@ class GenerateResult:
 
 
 def parse_fault(spec: str | None) -> tuple[str, str] | None:
-    """`KIND:SITE` -> (kind, site)."""
+    """`KIND:SITE` -> (kind, site); SITE is a site's name or its number in `sites --launch KIND`."""
     if spec is None:
         return None
     kind, sep, site = spec.partition(":")
@@ -177,6 +177,11 @@ class Runner:
                 raise ValueError(f"--inject-fault {inject_fault}: launch kind {fault[0]!r} does not run as a "
                                  f"kernel here (kernel kinds: {sorted(self.kernels) or 'none'})")
             names = list(self.kernels[fault[0]].sites)
+            if fault[1].isdigit():                  # the number `sites` prints beside the name
+                if int(fault[1]) >= len(names):
+                    raise ValueError(f"--inject-fault {inject_fault}: {fault[0]} has {len(names)} wait sites "
+                                     f"(0-{len(names) - 1}): {names}")
+                fault = (fault[0], names[int(fault[1])])
             if fault[1] not in names:
                 raise ValueError(f"--inject-fault {inject_fault}: {fault[0]} has no wait site {fault[1]!r}; "
                                  f"sites: {names}")

@@ -131,3 +131,28 @@ def test_demo(tiny_dir, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "decode agrees with prefill: yes" in out and "tokens/s" in out
+
+
+def test_inject_fault_by_site_number(tiny_dir, capsys):
+    """The number `sites` prints beside a site is accepted for its name; one past the last is refused."""
+    from glm53_flash.launches import sites
+    names = sites("tail")
+    rc = main(["generate", "--checkpoint", str(tiny_dir), "--prompt", "3,17", "--max-new-tokens", "1", "--json",
+               "--kernels", "tail", "--inject-fault", "tail:1"])
+    cap = capsys.readouterr()
+    assert rc == 0 and "HandoffTimeout" in cap.err and names[1] in cap.err
+    rc = main(["generate", "--checkpoint", str(tiny_dir), "--prompt", "3", "--max-new-tokens", "1",
+               "--kernels", "tail", "--inject-fault", f"tail:{len(names)}"])
+    assert rc == 2 and f"has {len(names)} wait sites" in capsys.readouterr().err
+
+
+def test_sites_into_a_closed_pipe_exits_quietly():
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.Popen([sys.executable, "-m", "glm53_flash", "sites", "--launch", "kda"], cwd=root,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": root})
+    p.stdout.close()                                 # the reader is gone before the first line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
