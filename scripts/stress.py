@@ -181,7 +181,7 @@ def _kinds(s: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--selftest-launches", type=int, default=1000, help="eager self-test launches per shape")
     ap.add_argument("--launches", type=_kinds, metavar="KIND,...",
                     help="stress these launch kinds instead (every width, random order; see the module note)")
