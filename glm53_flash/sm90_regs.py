@@ -7,9 +7,10 @@ spill bytes. The compile runs in a subprocess because TRITON_INTERPRET (set for 
 when the kernels are defined.
 
 A spec is (module, kernel name, signature {arg: type}, constexprs {name: value}, num_warps[, divisible
-[, options]]): `divisible` names the int args a launch passes as multiples of 16 (pointers are always taken
-16-byte aligned), as Triton would specialise them at a real launch; `options` more compile options (e.g.
-{"maxnreg": 128}, the launches' ptxas cap). Each result also carries the kernel's shared memory bytes.
+[, options[, ptx_grep]]]): `divisible` names the int args a launch passes as multiples of 16 (pointers are
+always taken 16-byte aligned), as Triton would specialise them at a real launch; `options` more compile options
+(e.g. {"maxnreg": 128}, the launches' ptxas cap); `ptx_grep` strings whose occurrences in the PTX are counted
+(result "ptx_counts"). Each result also carries the kernel's shared memory bytes.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ for spec in json.loads(sys.argv[1]):
     mod, name, sig, consts, warps = spec[:5]
     divisible = set(spec[5]) if len(spec) > 5 else set()
     options = dict(spec[6]) if len(spec) > 6 else {}
+    grep = list(spec[7]) if len(spec) > 7 else []
     fn = getattr(importlib.import_module(mod), name)
     assert list(sig) == fn.arg_names, (name, list(sig), fn.arg_names)
     names = list(sig)
@@ -45,7 +47,8 @@ for spec in json.loads(sys.argv[1]):
     # noinline device functions get their own ptxas lines: registers = the largest, spills = the sum
     regs = max(int(m) for m in re.findall(r"Used (\d+) registers", log))
     spill = sum(int(m) for m in re.findall(r"(\d+) bytes spill stores", log))
-    out.append(dict(kernel=name, consts=consts, warps=warps, regs=regs, spill=spill, shared=c.metadata.shared))
+    out.append(dict(kernel=name, consts=consts, warps=warps, regs=regs, spill=spill, shared=c.metadata.shared,
+                    ptx_counts={g: c.asm["ptx"].count(g) for g in grep}))
 print(json.dumps(out))
 '''
 

@@ -20,11 +20,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
-# pointer/int types of the tail kernel's non-constexpr arguments (everything else: i32)
-TAIL_P = dict(table="*i32", starts="*i32", X="*fp32", norm_w="*bf16", logits="*fp32", tokens="*i32", best="*i32",
-              scratch="*i32", xchg="*i64", peer_src="*i32", eps="fp32", timeout_ns="i64")
-# ints a launch specialises as multiples of 16 (offsets and sizes at the real shapes)
-TAIL_DIV16 = ("o_hdr", "o_xn", "o_box", "o_cand", "xn_cta_stride", "box_words", "V_rank")
+from glm53_flash.build_report import TAIL_DIV16, TAIL_TYPES as TAIL_P  # noqa: E402  (the tail's argument types)
+from glm53_flash.build_report import tail_consts as _tail_consts  # noqa: E402
 
 
 def compile_stats(fn, sig, consts, warps, div16=(), maxnreg=None):
@@ -53,11 +50,9 @@ def tail(fp8=False, warps=4, maxnreg=None, **kw):
 
 
 def tail_consts(k, fp8, kw):
-    """The launch's constexprs (TailLaunch.kernel_args at H=4096), overridden by kw; only the kernel's own."""
-    C = dict(H=4096, CH=512, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=4, LOCAL_NORM=False, SLOTS=64,
-             L2_LINES=2 if fp8 else 4, EPL=128 if fp8 else 64, XPF=False, ROW16=True, XR=4)
-    C.update(kw)
-    return {n: v for n, v in C.items() if n in k.arg_names}
+    """The launch's constexprs at width 1-4 (build_report.tail_consts), overridden by kw; only k's own (k may be
+    an edited copy of the kernel, tail_edit)."""
+    return {n: v for n, v in _tail_consts(fp8, 1, **kw).items() if n in k.arg_names}
 
 
 def gemv(fp8=False, x="*fp32", warps=4, stages=3, bn=64):

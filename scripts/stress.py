@@ -120,6 +120,8 @@ def launch_phase(kinds, widths, replays: int, tp: int, preset_name: str, flip_bi
     for kind in kinds:
         for w in widths:
             L, outs = dump_mod._run(kind, cfg, src, tp, w, dev, seed, pos)
+            # nextn: its draft tail replays on the input the clean run made from X_out on the host (as time_layers
+            # replays it): the tail's words are checked against that input's clean result
             launches = [L] + ([L.tail_launch] if getattr(L, "tail_launch", None) is not None else [])
             fn = lambda ls=launches: [x.enqueue() for x in ls]            # noqa: E731
             if dev == "cuda":

@@ -177,69 +177,28 @@ def test_gpu_kda(tp, width, fmt):
 
 
 # ---------------------------------------------------------------------------- offline sm_90 compile
-_COMPILE = r'''
-import json, os, re, subprocess, sys, tempfile
-os.environ.pop("TRITON_INTERPRET", None)
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from glm53_flash.launches.kda_layer import kda_layer_kernel as k
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-F, B, Q = "*fp32", "*bf16", "*fp8e4nv"
-out = []
-for v in json.loads(sys.argv[1]):
-    fp8, c = v["fp8"], v["consts"]
-    ptr = dict(table="*i32", starts="*i32", meta="*i32", scratch="*i32", xo="*i64", xd="*i64", tokens="*i32",
-               embed_w=B, ln1=B, ln2=B, W_in=B, f_b=B, g_b=B, onorm_w=B, W_o=B,
-               W_g=Q if fp8 else B, S_g=F if fp8 else B, W_u=Q if fp8 else B, S_u=F if fp8 else B,
-               W_d=Q if fp8 else B, S_d=F if fp8 else B, w_gu=Q if fp8 else B, s_gu=F if fp8 else B,
-               w_de=Q if fp8 else B, s_de=F if fp8 else B)
-    ints = ("rows", "width", "tp_rank", "tp_size", "stage_lo", "stage_hi", "bump", "tag_stride", "tag_offset",
-            "fault_site")
-    sig = {n: ("constexpr" if n in c else ptr.get(n, "i32" if n in ints else "i64" if n == "timeout_ns" else
-               "fp32" if n in ("eps", "hc_eps", "lower_bound", "swiglu_limit", "scaling") else F)) for n in k.arg_names}
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}
-    ck = triton.compile(ASTSource(fn=k, signature=sig, constexprs=c, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=v["warps"], **({"maxnreg": v["maxnreg"]} if v["maxnreg"] else {})))
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ck.asm["ptx"])
-    log = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True,
-                         check=True).stderr
-    os.unlink(f.name)
-    out.append(dict(name=v["name"], regs=int(re.search(r"Used (\d+) registers", log)[1]),
-                    spill=sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log)), shared=ck.metadata.shared,
-                    spin_ok=ck.asm["ptx"].count("ld.relaxed.gpu.global.v4.u32") > 0))
-print(json.dumps(out))
-'''
+SPIN_LOAD = "ld.relaxed.gpu.global.v4.u32"          # the box spin's line loads (sync.asm line_loads_ptx)
 
 
 def real_consts(tp=1, moe=False, embed=False, fp8=False, warps=4, maxnreg=DEFAULT_MAXNREG):
-    """A real-shape build (glm53_flash.build_report.layer_consts) and the launch's ptxas cap (spill: local-store
-    bytes summed over the kernel and its noinline functions)."""
-    from glm53_flash.build_report import layer_consts
-    return dict(name=f"{'kda' if moe else 'embed' if embed else 'dense'}-tp{tp}-{'fp8' if fp8 else 'bf16'}-w{warps}",
-                consts=layer_consts(tp, moe, embed, fp8), fp8=fp8, warps=warps, maxnreg=maxnreg)
+    """A real-shape build of the layer kernel (glm53_flash/build_report.py layer_spec) at the launch's ptxas cap."""
+    kind = "kda" if moe else "embed" if embed else "dense"
+    return dict(name=f"{kind}-tp{tp}-{'fp8' if fp8 else 'bf16'}-w{warps}", kind=kind, tp=tp, fp8=fp8, warps=warps,
+                maxnreg=maxnreg)
 
 
 def compile_sm90(variants):
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+    """sm_90 registers / spills (local-store bytes summed over the kernel and its noinline functions) / shared
+    memory of each variant, and whether its spin loops survived (the spin's vector line loads in the PTX)."""
+    from glm53_flash.build_report import layer_spec
+    from glm53_flash.sm90_regs import kernel_registers, ptxas_available
+    if not ptxas_available():
         pytest.skip("Triton's bundled ptxas is missing")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(variants)], env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    stats = json.loads(res.stdout.strip().splitlines()[-1])
-    for s in stats:
-        print(f"{s['name']}: {s['regs']} registers, {s['spill']} B spilled, {s['shared']} B shared")
+    specs = [layer_spec(v["kind"], v["tp"], v["fp8"], v["warps"], v["maxnreg"]) + [[SPIN_LOAD]] for v in variants]
+    stats = kernel_registers(specs, timeout=900)
+    for v, st in zip(variants, stats):
+        st.update(name=v["name"], spin_ok=st["ptx_counts"][SPIN_LOAD] > 0)
+        print(f"{st['name']}: {st['regs']} registers, {st['spill']} B spilled, {st['shared']} B shared")
     return stats
 
 
