@@ -104,12 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     du.add_argument("--tp", type=int, default=1, help="TP degree; rank 0 runs, the others are loopback peers")
     du.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",") if w], default=[1, 2, 4, 8],
                     metavar="W,...", help="batch widths (default 1,2,4,8)")
-    du.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="weight format (bf16 only so far)")
+    du.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                    help="weight format: bf16, or fp8 (the FP8 checkpoint of the same seed: e4m3, 128x128 block scales)")
     du.add_argument("--preset", default="tiny", help="config preset (default tiny)")
     du.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: kernels run under the Triton interpreter; cuda: natively on the GPU")
     du.add_argument("--seed", type=int, default=0, help="weights and inputs seed")
     du.add_argument("--pos", type=int, default=27, help="decode position of the sparse / nextn launches")
+    du.add_argument("--timeout-s", type=float, default=1.0,
+                    help="spin budget of every wait site in seconds (default 1; raise it under compute-sanitizer)")
 
     bu = sub.add_parser("build", help="offline sm_90 build report: registers, spills, shared memory, CTAs per SM",
                         description="Compiles every launch kind's persistent kernel for sm_90 at the real per-rank "
@@ -228,7 +231,8 @@ def cmd_sites(a) -> int:
 
 def cmd_dump(a) -> int:
     from .dump import dump
-    man = dump(a.out, a.kinds, a.tp, a.widths, a.weights, a.preset, a.device, seed=a.seed, pos=a.pos)
+    man = dump(a.out, a.kinds, a.tp, a.widths, a.weights, a.preset, a.device, seed=a.seed, pos=a.pos,
+               timeout_s=a.timeout_s)
     print(f"wrote {len(man['files'])} files to {a.out} (commit {man['commit']})")
     return 0
 

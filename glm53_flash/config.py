@@ -412,10 +412,17 @@ def _preset_tiny() -> GlmConfig:
     )
 
 
+def _preset_tiny_tp8() -> GlmConfig:
+    # tiny with every TP-split dimension divisible by 8 (KDA and attention heads 8, so one head per rank at TP 8):
+    # the TP 8 loopback builds of the trust tools (dump, stress) at tiny cost
+    return _preset_tiny().replace(linear_num_heads=8, num_attention_heads=8, num_key_value_heads=8)
+
+
 PRESETS = {
     "glm53-flash": lambda: _preset_glm53_flash(288),
     "glm53-flash-e80": lambda: _preset_glm53_flash(80),
     "tiny": _preset_tiny,
+    "tiny-tp8": _preset_tiny_tp8,
 }
 
 

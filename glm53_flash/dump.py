@@ -9,8 +9,8 @@ elements.
 Weights are `weights.RandomWeights(cfg, seed)` (the values of a checkpoint made with that seed), sliced
 to the rank like a checkpoint; rank 0 of a loopback TP group runs (the other ranks' exchange partials
 come from the loopback peers). Every launch object is new, so its epoch starts at 0 and the tags in the
-box words are the same in every dump of the same build. The tail runs at TP 1 only (its loopback
-peers are not built here).
+box words are the same in every dump of the same build. --weights fp8: the same values as an FP8 checkpoint of that
+seed (weights.Fp8Weights), the tail's lm_head shard quantized as its FP8 build takes it.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import os
 from .provenance import source_commit
 
 KINDS = ("embed", "dense", "kda", "sparse", "nextn", "tail")
+WEIGHTS = ("bf16", "fp8")
 MANIFEST = "manifest.json"
 
 
@@ -45,9 +46,26 @@ def _inputs(kind, cfg, width, device, seed, pos):
     return d
 
 
-def _run(kind, cfg, src, tp, width, device, seed, pos):
+def source(cfg, seed: int, weights: str):
+    """(weights mapping, scales or None) of the dump's builds: RandomWeights(cfg, seed), or with weights="fp8"
+    its FP8 checkpoint in memory (weights.Fp8Weights: the tensors an FP8 checkpoint stores as e4m3)."""
+    from .weights import Fp8Weights, RandomWeights
+    if weights not in WEIGHTS:
+        raise ValueError(f"dump: --weights {weights!r}: one of {', '.join(WEIGHTS)}")
+    src = RandomWeights(cfg, seed=seed, cache=True)
+    if weights == "bf16":
+        return src, None
+    q = Fp8Weights(src, cfg)
+    return q, q.scales
+
+
+def _run(kind, cfg, src, tp, width, device, seed, pos, scales=None, timeout_s: float = 1.0):
     """One launch of `kind` on fixed inputs -> (launch, {output name: tensor}). The tensors are views of the
-    launch's own output buffers (not copies), so a later enqueue of the launch rewrites them (stress.py)."""
+    launch's own output buffers (not copies), so a later enqueue of the launch rewrites them (stress.py).
+    scales: FP8 weight scales (source()); the tail's lm_head (bf16 in the checkpoint) is then quantized per
+    shard, as the FP8 tail build takes it. TP > 1: rank 0 of a loopback group (the peers' partials and
+    candidates from the launch's loopback path). timeout_s: every wait site's spin budget (longer under a
+    sanitizer, which slows the kernels many times over)."""
     import torch
 
     from .launches.dense import DenseLaunch
@@ -59,24 +77,28 @@ def _run(kind, cfg, src, tp, width, device, seed, pos):
     from .weights import LM_HEAD, PREFIX
     x = _inputs(kind, cfg, width, device, seed, pos)
     if kind == "tail":
-        if tp != 1:
-            raise ValueError("dump: the tail runs at --tp 1 only (its loopback peers are not built here)")
-        L = TailLaunch(cfg, src[LM_HEAD].to(device), src[PREFIX + "norm.weight"].to(device), width=width,
-                       device=device)
+        from .fp8 import quantize_fp8
+        from .launches.layer_host import rank_tensors
+        head = rank_tensors(cfg, src, [LM_HEAD], 0, tp)[0][LM_HEAD]
+        q, s = quantize_fp8(head) if scales is not None else (head, None)
+        L = TailLaunch(cfg, q.to(device), src[PREFIX + "norm.weight"].to(device),
+                       None if s is None else s.to(device), tp_rank=0, tp_size=tp, width=width, device=device,
+                       timeout_s=timeout_s)
         L.run(x["X"])
         return L, {"logits": L.logits[:width], "tokens": L.tokens[:width]}
     if kind in ("embed", "dense", "kda"):
         cls = {"embed": EmbedLaunch, "dense": DenseLaunch, "kda": KdaLaunch}[kind]
         layer = next(p.index for p in cfg.layers if p.launch == kind)
-        L = cls(cfg, src, layer, tp_rank=0, tp_size=tp, width=width, device=device)
+        L = cls(cfg, src, layer, tp_rank=0, tp_size=tp, width=width, device=device, scales=scales, timeout_s=timeout_s)
         g = torch.Generator(device="cpu").manual_seed(seed + 17 * width)
         S = (0.1 * torch.randn(width, L.NH, L.DK, L.DK, generator=g)).to(device)
         W = torch.randn(width, L.KC - 1, 3 * L.D, generator=g).to(device)
         L.run(x["X"], S, W, commit=False)
         return L, {"X_out": L.X_out[:width], "S_out": L.S_out[:width], "W_out": L.W_out[:width]}
-    kw = dict(tp_rank=0, tp_size=tp, width=width, device=device, max_len=x["pos_max"])
+    kw = dict(tp_rank=0, tp_size=tp, width=width, device=device, max_len=x["pos_max"], scales=scales,
+              timeout_s=timeout_s)
     if kind == "nextn":
-        L = NextnLaunch(cfg, src, **kw)
+        L = NextnLaunch(cfg, src, tail_options={"timeout_s": timeout_s}, **kw)
         L.run(x["X"], x["tok"], x["lat"], x["pk"], x["tr"], x["positions"])
         T = L.tail_launch
         outs = ((T.logits[:width], T.tokens[:width]) if T is not None else ()) + (L.n_out[:width],)
@@ -89,27 +111,25 @@ def _run(kind, cfg, src, tp, width, device, seed, pos):
 
 
 def dump(out_dir: str, kinds, tp: int, widths, weights: str, preset_name: str, device: str, seed: int = 0,
-         pos: int = 27, log=print) -> dict:
+         pos: int = 27, log=print, timeout_s: float = 1.0) -> dict:
     """Write every (kind, width)'s outputs and scratch regions under out_dir -> the manifest."""
     import torch
 
     from .config import preset
-    from .weights import RandomWeights
     for k in kinds:
         if k not in KINDS:
             raise ValueError(f"dump: unknown launch kind {k!r}; kinds: {', '.join(KINDS)}")
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ValueError(f"dump: {out_dir} exists and is not empty")
-    if weights != "bf16":
-        raise ValueError(f"dump: --weights {weights}: only bf16 is built here so far (RandomWeights)")
     cfg = preset(preset_name)
-    src = RandomWeights(cfg, seed=seed, cache=True)
+    cfg.check_tp(tp)                             # before the directory exists: a bad --tp leaves nothing
+    src, scales = source(cfg, seed, weights)
     os.makedirs(out_dir, exist_ok=True)
     man = {"commit": source_commit(), "preset": preset_name, "tp": tp, "weights": weights, "device": device, "seed": seed,
            "pos": pos, "files": {}}
     for kind in kinds:
         for w in widths:
-            L, outs = _run(kind, cfg, src, tp, w, device, seed, pos)
+            L, outs = _run(kind, cfg, src, tp, w, device, seed, pos, scales, timeout_s)
             tensors = {f"out.{n}": t.detach().cpu().clone() for n, t in outs.items()}
             for r in L.layout.regions:
                 if r.kind != "canary":

@@ -243,3 +243,54 @@ class RandomWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self.specs)
+
+
+class Fp8Weights(Mapping):
+    """The FP8 checkpoint of `source` in memory: every fp8=True spec as e4m3 (fp8.quantize_fp8, 128x128
+    blocks), every other tensor as `source` has it; `scales` maps each FP8 name to its weight_scale_inv
+    grid (what the launches' `scales=` takes). The same values make_random_checkpoint(weights="fp8")
+    writes, without the files. Lazy and cached."""
+
+    def __init__(self, source: Mapping, cfg: GlmConfig):
+        self.source, self.specs = source, weight_specs(cfg)
+        self._q: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.scales = _Fp8Scales(self)
+
+    def _quant(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if name not in self._q:
+            from .fp8 import quantize_fp8
+            self._q[name] = quantize_fp8(self.source[name])
+        return self._q[name]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        spec = self.specs.get(name)
+        if spec is not None and spec.fp8:
+            return self._quant(name)[0]
+        return self.source[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.source)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+
+class _Fp8Scales(Mapping):
+    def __init__(self, w: Fp8Weights):
+        self.w = w
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        spec = self.w.specs.get(name)
+        if spec is None or not spec.fp8:
+            raise KeyError(name)
+        return self.w._quant(name)[1]
+
+    def __contains__(self, name) -> bool:
+        spec = self.w.specs.get(name)
+        return spec is not None and spec.fp8
+
+    def __iter__(self) -> Iterator[str]:
+        return (n for n, s in self.w.specs.items() if s.fp8)
+
+    def __len__(self) -> int:
+        return sum(1 for s in self.w.specs.values() if s.fp8)

@@ -3,7 +3,8 @@ checked after every launch, plus CUDA-graph replays that take their tags from th
 --launches KIND,..., every width of those launch kinds replayed in random width order.
 
   python3 scripts/stress.py [--selftest-launches N] [--graph-replays R] [--tail-launches T] [--quick]
-  python3 scripts/stress.py --launches embed,dense,kda,sparse,nextn,tail [--replays N] [--tp T] [--flip-bit]
+  python3 scripts/stress.py --launches embed,dense,kda,sparse,nextn,tail [--replays N] [--tp T] [--weights W]
+                            [--flip-bit]
 
 Launch kinds (launch_phase): each (kind, width 1/2/4/8) is built on the fixed inputs of `python -m glm53_flash
 dump` (tiny preset by default), run once clean, then captured as a CUDA graph on the GPU (eagerly replayed on the
@@ -105,21 +106,20 @@ def tail_phase(launches: int) -> dict:
 
 
 def launch_phase(kinds, widths, replays: int, tp: int, preset_name: str, flip_bit: bool, seed: int = 0,
-                 pos: int = 27, log=print) -> dict:
+                 pos: int = 27, log=print, weights: str = "bf16") -> dict:
     """Random-order replays of every (kind, width), each compared bitwise with its clean result (see above)."""
     import random
 
     from glm53_flash import dump as dump_mod
     from glm53_flash.config import preset
-    from glm53_flash.weights import RandomWeights
     from sync import HandoffTimeout
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = preset(preset_name)
-    src = RandomWeights(cfg, seed=seed, cache=True)
+    src, scales = dump_mod.source(cfg, seed, weights)
     items = []
     for kind in kinds:
         for w in widths:
-            L, outs = dump_mod._run(kind, cfg, src, tp, w, dev, seed, pos)
+            L, outs = dump_mod._run(kind, cfg, src, tp, w, dev, seed, pos, scales)
             # nextn: its draft tail replays on the input the clean run made from X_out on the host (as time_layers
             # replays it): the tail's words are checked against that input's clean result
             launches = [L] + ([L.tail_launch] if getattr(L, "tail_launch", None) is not None else [])
@@ -191,6 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", default="1,2,4,8", help="--launches: batch widths (default 1,2,4,8)")
     ap.add_argument("--tp", type=int, default=1, help="--launches: TP degree (rank 0 of a loopback group)")
     ap.add_argument("--preset", default="tiny", help="--launches: config preset (default tiny)")
+    ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                    help="--launches: weight format (fp8: the dump's FP8 checkpoint of the same seed)")
     ap.add_argument("--flip-bit", action="store_true", help="--launches: the positive control (one flipped input bit)")
     ap.add_argument("--graph-replays", type=int, default=40, help="replays of a 50-launch graph")
     ap.add_argument("--tail-launches", type=int, default=200)
@@ -203,7 +205,7 @@ def main(argv=None) -> int:
         if replays < 1:
             ap.error("--replays must be >= 1")
         out.update(launch_phase(a.launches, [int(w) for w in a.widths.split(",") if w], replays, a.tp, a.preset,
-                                a.flip_bit, log=lambda m: print(m, file=sys.stderr, flush=True)))
+                                a.flip_bit, log=lambda m: print(m, file=sys.stderr, flush=True), weights=a.weights))
         ok = out["launch_wrong"] == 0 and out["launch_error_records"] == 0 and out.get("control_detected", True)
         out.update(wrong_words=out["launch_wrong"], ok=bool(ok), seconds=round(time.time() - t0, 1))
         print(json.dumps(out))

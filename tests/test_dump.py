@@ -62,4 +62,23 @@ def test_bad_input_errors(two_dumps, tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
     assert main(["dump", "--out", str(tmp_path / "x"), "--kinds", "bogus"]) == 2
     assert "unknown launch kind" in capsys.readouterr().err
-    assert main(["dump", "--out", str(tmp_path / "y"), "--kinds", "tail", "--tp", "2", "--widths", "1"]) == 2
+    assert main(["dump", "--out", str(tmp_path / "y"), "--kinds", "dense", "--tp", "3", "--widths", "1"]) == 2
+    assert not os.path.exists(tmp_path / "y") or not os.listdir(tmp_path / "y")
+
+
+def test_fp8_at_tp2_repeats_and_differs_from_bf16(tmp_path):
+    """An FP8 build at TP 2 (rank 0, loopback): its launches hold e4m3 weights, a re-run dumps the same
+    bytes, and the bf16 build's dump differs from it."""
+    from glm53_flash.config import preset
+    from glm53_flash.dump import _run, source
+    cfg = preset("tiny")
+    src, scales = source(cfg, 0, "fp8")
+    L, _ = _run("tail", cfg, src, 2, 1, "cpu", 0, 27, scales)
+    assert L.fp8 and L.V_rank == cfg.vocab_size // 2
+    d = [str(tmp_path / n) for n in ("f1", "f2", "b")]
+    for out, w in zip(d, ("fp8", "fp8", "bf16")):
+        dump(out, ["dense", "tail"], 2, [1], w, "tiny", "cpu", log=lambda *_: None)
+    assert compare(d[0], d[1]) == []
+    diffs = compare(d[0], d[2])
+    assert any(x.startswith("dense_w1.pt out.X_out") for x in diffs), diffs
+    assert any(x.startswith("tail_w1.pt out.logits") for x in diffs), diffs
