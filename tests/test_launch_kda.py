@@ -119,11 +119,9 @@ def test_kda_act_fold(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeyp
 
 
 def test_kda_grouped_moe_down(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch):
-    """moe_down in expert groups (the real shapes' choice, schedule.py choose_groups: 3 at TP1 and TP8): at TP1
-    joined by down_join (its wait site `dp` faulted and clean again), the reference (2 of 4 rows) and the same
-    result as the ungrouped launch up to rounding (the sum order differs); in simulated TP2 each group's plane
-    goes straight into the xd mailbox (KG planes a row) and down_sum joins groups then ranks: no down_join
-    stage, no `dp` site, the reference on both ranks, and a mailbox sized for one group refused."""
+    """moe_down in expert groups (the real shapes' choice, schedule.py choose_groups: 3 at TP1 and TP8) joined
+    by down_join: the reference at TP1 (2 of 4 rows) and in simulated TP2, its wait site `dp` faulted and
+    clean again, and the same result as the ungrouped launch up to rounding (the sum order differs)."""
     X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 2, gen)
     S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
     ungrouped = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=4).run(X, S.clone(), W.clone(), commit=False)
@@ -138,13 +136,9 @@ def test_kda_grouped_moe_down(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread,
     check_step(L, L.run(X, S, W), S, W, tiny_ref, caches, KDA_LAYER, X, TOL_BF16, label="grouped")
     fault_every_site(L, X, *rank_state(tiny_cfg, caches, KDA_LAYER), KdaLaunch.site_names(1, down_groups=3),
                      clean_after=("kda.dp",))
-    with pytest.raises(ValueError, match="down_groups=3"):
-        KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, tp_rank=0, tp_size=2, width=2, xchg=new_xchg(tiny_cfg, 2, 2, "cpu"))
-    xchg = new_xchg(tiny_cfg, 2, 2, "cpu", down_groups=3)
+    xchg = new_xchg(tiny_cfg, 2, 2, "cpu")
     Ls = [KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, tp_rank=r, tp_size=2, width=2, xchg=xchg) for r in range(2)]
-    assert Ls[0].xd_groups == 3 and "down_join" not in Ls[0].schedule.stage_names
-    assert [s.split(".")[1] for s in Ls[0].sites][-4:] == ["xe", "h", "cf2", "xd"]
-    assert list(Ls[0].sites) == KdaLaunch.site_names(2, down_groups=3)
+    assert [s.split(".")[1] for s in Ls[0].sites][-4:] == ["h", "dp", "cf2", "xd"]
     ins = [(X, *rank_state(tiny_cfg, caches, KDA_LAYER, r, 2)) for r in range(2)]
     outs = run_tp(Ls, ins)
     assert torch.equal(outs[0], outs[1])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..schedule import Task
 
-MAILBOXES = ("xo", "xd")        # cross-rank tagged-pair mailboxes (the launch's mailbox_view)
+MAILBOXES = ("xo", "xd")        # cross-rank tagged-pair mailboxes [tp (dest), tp (src), width, H]
 
 
 def _writers(L, region: str) -> list[Task]:
@@ -59,9 +59,11 @@ def cta_progress(L, cta: int, tag: int) -> list[str]:
 
 def mailbox_missing(L, region: str, tag: int) -> dict[int, list[tuple[int, int]]]:
     """Source rank -> (row, column) pairs of this rank's slots in mailbox `region` not carrying `tag`."""
-    v = L.mailbox_view(region)[L.tp_rank, :, :, : L.rows]                  # [src, groups, rows, H]
-    bad = ((v & 0xFFFFFFFF) != tag).any(1).cpu()                            # a cell is missing if any group's is
-    return {s: [tuple(i) for i in bad[s].nonzero().tolist()] for s in range(L.tp_size) if bad[s].any()}
+    x = getattr(L, region)
+    tp, W, H = L.tp_size, L.width, L.H
+    v = x[: tp * tp * W * H].view(tp, tp, W, H)[L.tp_rank, :, : L.rows]
+    bad = ((v & 0xFFFFFFFF) != tag).cpu()
+    return {s: [tuple(i) for i in bad[s].nonzero().tolist()] for s in range(tp) if bad[s].any()}
 
 
 def explain(L, max_ctas: int = 4) -> str:

@@ -318,14 +318,14 @@ def oproj_task(W_o, S_o, xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_si
 
 @triton.jit
 def _rank_sum_tiles(xchg, y, a0, a1, rows, width, tp_rank, tp_size, tag, hdr, site, pid, timeout_ns,
-                    H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr = 1):
-    """Tiles a0 .. a0 + a1 - 1 of y [rows, H] = every rank's partial from mailbox xchg (G planes a row),
-    added in group then rank order (mixer_kda.xchg_sum), stopping at the first stalled tile. -> ok."""
+                    H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tiles a0 .. a0 + a1 - 1 of y [rows, H] = every rank's partial from mailbox xchg, added in rank
+    order (mixer_kda.xchg_sum), stopping at the first stalled tile. -> ok."""
     ok = 1
     j = 0
     while (j < a1) & (ok != 0):
         ok = xchg_sum(xchg, y, (a0 + j) * BLOCK_N, rows, width, tp_rank, tp_size, tag, hdr, site, pid, timeout_ns, H,
-                      ROWS_PAD, BLOCK_N, G)
+                      ROWS_PAD, BLOCK_N)
         j += 1
     return ok
 
@@ -351,11 +351,10 @@ def post1_task(xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_size, a0, a1
 
 @triton.jit(noinline=True)
 def peer_task(xchg, peer, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, tag, fault_site,
-              SITE: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr = 1):
-    """Loopback (one GPU, TP > 1): rank a0's partial tiles a1 .. a1 + a2 - 1 from peer into xchg (G planes a
-    row: mixer_kda.peer_publish)."""
+              SITE: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Loopback (one GPU, TP > 1): rank a0's partial tiles a1 .. a1 + a2 - 1 from peer into xchg."""
     j = 0
     while j < a2:
         peer_publish(xchg, peer, a0, (a1 + j) * BLOCK_N, rows, width, tp_rank, tp_size, tag, tl.load(meta + SITE),
-                     fault_site, H, ROWS_PAD, BLOCK_N, G)
+                     fault_site, H, ROWS_PAD, BLOCK_N)
         j += 1

@@ -26,6 +26,7 @@ not linear, so the slices join before it, in a small act stage (one hop, ~1-2 us
 import triton
 import triton.language as tl
 
+from sync.asm import fence_acq_rel, in_interpreter
 from sync.device import trace_mark
 
 from ..kernels.gemv import gemv_store, gemv_stream, plane_sum
@@ -180,11 +181,10 @@ def down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size,
 @triton.jit(noinline=True)
 def post2_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, pid, tag, hdr, timeout_ns,
                fault_site, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NEXTN: tl.constexpr,
-               B_Z: tl.constexpr, KG: tl.constexpr):
-    """down_sum (TP > 1): the xd tiles a0 .. a0 + a1 - 1 summed, moe_down's KG expert-group planes in group
-    order, then the ranks in rank order -> y2, then _post_ffn. -> ok."""
+               B_Z: tl.constexpr):
+    """down_sum (TP > 1): rank-order sum of the xd tiles a0 .. a0 + a1 - 1 -> y2, then _post_ffn. -> ok."""
     ok = _rank_sum_tiles(xd, f32_at(scratch, meta, M_Y2), a0, a1, rows, width, tp_rank, tp_size, tag, hdr,
-                         tl.load(meta + M_SITE_XD), pid, timeout_ns, H, ROWS_PAD, BLOCK_N, KG)
+                         tl.load(meta + M_SITE_XD), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
     if ok != 0:
         _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN, B_Z)
     return ok
@@ -257,16 +257,15 @@ def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy,
 def _group_act(scratch, meta, rr, g, pid, width, swiglu_limit, KE: tl.constexpr, I_E: tl.constexpr, KG: tl.constexpr,
                KS_E: tl.constexpr, ACT_F32: tl.constexpr):
     """act_fold: row rr's activations of expert group g's routed experts, joined from the epart planes exactly
-    as the act stage does (swiglu_join, plane order), into this CTA's act_cta row (_group_src: where it lies).
-    The CTA barrier after the stores is all the GEMV's cp.async reads of the row need: a barrier makes every
-    thread's earlier global accesses visible to the CTA's threads whatever the cache operator of the later
-    loads (CTA scope; nothing outside the CTA reads the row). The fence.acq_rel.gpu every thread ran here
-    before waited for the stores to reach gpu scope, which only other CTAs need."""
+    as the act stage does (swiglu_join, plane order), into this CTA's act_cta row; visible to the CTA's own
+    cp.async reads once every thread has fenced and passed the barrier (_group_src: where it lies)."""
     PG: tl.constexpr = (KE + 1) // KG
     src = _group_src(scratch, meta, g, pid, KE, I_E, KG, ACT_F32)
     tl.debug_barrier()                                  # the previous row's GEMVs are done with the row
     swiglu_join(f32_at(scratch, meta, M_EPART) + rr * KE * 2 * I_E, width * KE * 2 * I_E, src, g * PG * I_E,
                 tl.minimum(g * PG + PG, KE) * I_E, swiglu_limit, I_E, KS_E, ACT_BLOCK)
+    if not in_interpreter():
+        fence_acq_rel()                                 # each thread's stores reach L2 (cp.async.cg reads there)
     tl.debug_barrier()
 
 
@@ -285,8 +284,8 @@ def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, g, width, tp_
                   NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr, KG: tl.constexpr):
     """Row rr's MoE output columns [n0, n0 + BLOCK_N) from expert group g of KG (kernels/moe.py
     moe_down_group; KG == 1: all K + 1 GEMVs, moe_down_finish's sum); the routed activations from act_e's row,
-    or (fold) from _group_act's. TP > 1: plane g of the row in every rank's xd slot (down_sum adds the planes,
-    then the ranks). TP 1: y2 (KG == 1), or partial plane g of dpart, which down_join adds up."""
+    or (fold) from _group_act's. KG == 1: y2 (TP 1) or this rank's xd slot (TP > 1); KG > 1: partial plane g
+    of dpart, which down_join adds up."""
     PG: tl.constexpr = (KE + 1) // KG
     if fold != 0:
         act_src = _group_src(scratch, meta, g, pid, KE, I_E, KG, ACT_F32)
@@ -296,13 +295,13 @@ def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, g, width, tp_
                          i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
                          act_src, w_de, s_de, n0, g * PG, g * PG + PG,
                          E, H, I_E, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, KE)
-    if tp_size > 1:                 # plane g of row rr in every rank's xd slot (KG planes a row; down_sum joins)
-        xchg_publish(xd + (g * width + rr) * H, acc, n0, 1, KG * width, tp_rank, tp_size, tag, tl.load(meta + M_SITE_XD),
-                     fault_site, H, ROWS_PAD, BLOCK_N)
-    elif KG > 1:
+    if KG > 1:
         gemv_store(f32_at(scratch, meta, M_DPART) + (g * width + rr) * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
-    else:
+    elif tp_size == 1:
         gemv_store(f32_at(scratch, meta, M_Y2) + rr * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
+    else:
+        xchg_publish(xd + rr * H, acc, n0, 1, width, tp_rank, tp_size, tag, tl.load(meta + M_SITE_XD), fault_site, H,
+                     ROWS_PAD, BLOCK_N)
 
 
 @triton.jit(noinline=True)
@@ -312,9 +311,8 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
                   BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr,
                   NEXTN: tl.constexpr, B_Z: tl.constexpr, KG: tl.constexpr, KS_E: tl.constexpr):
     """MoE down tiles a0 .. a0 + a1 - 1, expert group a3 of KG, row by row (routed experts in rank order,
-    then the shared expert), after the h wait (every activation and the record are in). TP > 1: xd (group a3's
-    plane). TP 1: KG == 1 y2, then _post_ffn (producer a2); KG > 1 partial planes, producer a2 of dp.
-    -> (ok, rdy).
+    then the shared expert), after the h wait (every activation and the record are in). KG == 1: TP 1 y2,
+    then _post_ffn (producer a2); TP > 1 xd. KG > 1: partial planes, producer a2 of dp. -> (ok, rdy).
     The routed experts' weights depend only on the record (sel), complete a stage and more before h: the task
     waits on sel first and moves its group's routed tiles toward L2 before it waits on h.
     act_fold (meta word; launches/kda.py, small widths): there is no act stage for the routed experts; h holds
@@ -336,9 +334,7 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
                                          H, I_E, BLOCK_N)
                 rr += 1
             j += 1
-        if NEXTN:
-            ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
-        elif (KG == 1) | (tp_size > 1):   # it writes X_out or xd: with hc_post's coefficients, as down_task
+        if (KG == 1) and (not NEXTN):   # with hc_post's coefficients, as down_task
             ok, rdy = waitb2(scratch, meta, B_CF2, B_H, rdy, pid, tag, hdr, timeout_ns)
         else:
             ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
@@ -356,11 +352,11 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
                           KG)
             rr += 1
         j += 1
-    if (ok != 0) & (tp_size == 1):
-        if KG == 1:
+    if KG == 1:
+        if (ok != 0) & (tp_size == 1):
             _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN, B_Z)
-        else:
-            signal(scratch, meta, B_DP, a2, tag, fault_site)
+    elif ok != 0:
+        signal(scratch, meta, B_DP, a2, tag, fault_site)
     return ok, rdy
 
 
@@ -435,5 +431,5 @@ def ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_
                                  hdr, timeout_ns, fault_site, H, ROWS_PAD, BLOCK_N, NEXTN, B_Z, KG)
     elif fam == 46:                                    # post2: rank sum of tiles a0 .., hc_post
         ok = post2_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, pid, tag, hdr, timeout_ns,
-                        fault_site, H, ROWS_PAD, BLOCK_N, NEXTN, B_Z, KG)
+                        fault_site, H, ROWS_PAD, BLOCK_N, NEXTN, B_Z)
     return ok, rdy

@@ -11,9 +11,8 @@ The mixer half is the shared KDA layer launch (launches/kda_layer.py, layer_host
   act        [waits xe] the expert planes joined, clamped SwiGLU -> act_e (h); only wider than act_fold_width
              rows: up to it (1-2 rows) moe_down waits xe and joins its own expert group's activations
   down       [waits h] per row: the k experts' down tiles in rank order times their weights, then the
-             shared expert's, in KG expert groups. TP 1: the groups' planes (dp) joined by down_join, hc_post
-             -> X_out. TP > 1: each group's plane as tagged pairs to every rank (xd, KG planes a row), and
-             down_sum adds groups (in group order) then ranks (in rank order): no down_join stage.
+             shared expert's; in KG expert groups (dp) joined by down_join; TP 1: hc_post -> X_out;
+             TP > 1: tagged pairs to every rank, rank-order sum in down_sum.
 Expert weights are packed once at build into banks (kernels/moe.py pack_experts): w_gu [E, 2I, H],
 w_d [E, H, I] (+ FP8 scales), this rank's intermediate shard.
 """
@@ -48,7 +47,7 @@ class KdaLaunch(KdaLayerLaunch):
     def site_names(cls, tp_size: int = 1, block_v_split: bool = False, down_groups: int = 1) -> list[str]:
         s = ["hp1", "a_in", "yin"] + (["oraw"] if block_v_split else []) + ["o"]
         s += (["xo"] if tp_size > 1 else []) + ["cf1", "hp2", "a", "rl", "hg", "sel", "xe", "h"]
-        s += (["dp"] if down_groups > 1 and tp_size == 1 else []) + ["cf2"] + (["xd"] if tp_size > 1 else [])
+        s += (["dp"] if down_groups > 1 else []) + ["cf2"] + (["xd"] if tp_size > 1 else [])
         return [f"kda.{n}" for n in s]
 
     def _ffn_names(self, p: str) -> list[str]:
@@ -143,10 +142,7 @@ class KdaLaunch(KdaLayerLaunch):
         g.stage("down")
         row_bytes = W * (self.KE * self.I_E * wbe + self.I * wb)
         rd = ("sel", "xe", "h") if self.act_fold else ("sel", "h")         # (site order as site_names)
-        if self.kg > 1 and tp > 1:     # each expert group's plane straight into xd; down_sum joins groups, ranks
-            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, rd + self._hc_post_reads("cf2"), ("xd",), None,
-                                      ret_ranges=True, k_split=self.kg)
-        elif self.kg > 1:
+        if self.kg > 1:
             ranges = self._gemv_stage(g, "moe_down", H, row_bytes, rd, ("dp",), "dp", ret_ranges=True,
                                       k_split=self.kg)
             g.stage("down_join")
@@ -164,4 +160,4 @@ class KdaLaunch(KdaLayerLaunch):
             self._peers(g, "peer_d", ranges, "xd")
             g.stage("down_sum")
             for (t0, n) in ranges:
-                g.add("post2", (t0, n), reads=("xd",), nbytes=tp * self.xd_groups * W * n * BN * 8)
+                g.add("post2", (t0, n), reads=("xd",), nbytes=tp * W * n * BN * 8)

@@ -139,15 +139,13 @@ class KdaLayerLaunch(Launch):
         tp, W, H = self.tp_size, self.width, self.H
         if tp > 1 and xchg is None:
             self.loopback = True
-            xchg = new_xchg(self.cfg, tp, W, self.device, self.xd_groups)
+            xchg = new_xchg(self.cfg, tp, W, self.device)
         else:
             self.loopback = False
         if xchg is not None:
-            n, G = tp * tp * W * H, self.xd_groups
-            if len(xchg) != 2 or any(x.dtype != torch.int64 for x in xchg) or xchg[0].numel() < n or \
-                    xchg[1].numel() < G * n:
-                raise ValueError(f"{self.kind}: xchg must be two int64 mailboxes of >= {n} and {G * n} words (see "
-                                 f"new_xchg(cfg, {tp}, {W}, device, down_groups={G}))")
+            n = tp * tp * W * H
+            if len(xchg) != 2 or any(x.dtype != torch.int64 or x.numel() < n for x in xchg):
+                raise ValueError(f"{self.kind}: xchg must be two int64 mailboxes of >= {n} words (see new_xchg)")
         self.xo, self.xd = xchg if xchg is not None else (torch.zeros(1, dtype=torch.int64, device=self.device),) * 2
         self.peer_o = torch.zeros(max(tp, 1), W, H, device=self.device)
         self.peer_d = torch.zeros(max(tp, 1), W, H, device=self.device)
@@ -531,35 +529,18 @@ class KdaLayerLaunch(Launch):
         decoded from its slot of the exchange mailboxes (loopback runs feed them to the other ranks)."""
         if self.tp_size == 1:
             raise ValueError(f"{self.kind}: own_partials needs tp_size > 1")
+        shape = (self.tp_size, self.tp_size, self.width, self.H)
         out = []
-        for region in ("xo", "xd"):
-            w = self.mailbox_view(region)[self.tp_rank, self.tp_rank, :, : self.rows]
-            v = (w >> 32).to(torch.int32).view(torch.float32)
-            part = v[0].clone()
-            for g in range(1, v.shape[0]):          # down groups in group order: the owner's join (xchg_sum)
-                part += v[g]
-            out.append(part)
+        for x in (self.xo, self.xd):
+            w = x.view(shape)[self.tp_rank, self.tp_rank, : self.rows]
+            out.append((w >> 32).to(torch.int32).view(torch.float32).clone())
         return out[0], out[1]
 
-    @property
-    def xd_groups(self) -> int:
-        """Planes per row in the xd mailbox: at TP > 1 each moe_down expert group publishes its own plane and
-        down_sum joins groups then ranks (ffn_tasks.py); 1 for a dense FFN or KG == 1."""
-        return self.kg if self.tp_size > 1 else 1
 
-    def mailbox_view(self, region: str) -> torch.Tensor:
-        """Mailbox `region` ("xo" | "xd") as int64 [tp (dest), tp (src), groups, width, H] tagged pairs."""
-        G = self.xd_groups if region == "xd" else 1
-        tp = self.tp_size
-        return getattr(self, region)[: tp * tp * G * self.width * self.H].view(tp, tp, G, self.width, self.H)
-
-
-def new_xchg(cfg, tp_size: int, width: int, device, down_groups: int = 1):
-    """The cross-rank mailboxes (xo, xd): int64 tagged pairs, xo [tp (dest), tp (src), width, H], xd [tp, tp,
-    down_groups, width, H] (a launch's `xd_groups`: its moe_down expert groups at TP > 1)."""
+def new_xchg(cfg, tp_size: int, width: int, device):
+    """The cross-rank mailboxes (xo, xd): int64 [tp (dest), tp (src), width, H] pairs each."""
     n = tp_size * tp_size * width * cfg.hidden_size
-    return (torch.zeros(n, dtype=torch.int64, device=device),
-            torch.zeros(down_groups * n, dtype=torch.int64, device=device))
+    return (torch.zeros(n, dtype=torch.int64, device=device), torch.zeros(n, dtype=torch.int64, device=device))
 
 
 def run_tp(launches: list[KdaLayerLaunch], inputs: list[tuple], inject_fault: str | None = None,

@@ -146,34 +146,23 @@ TP_MAX: tl.constexpr = tl.constexpr(8)     # the largest TP degree (config.check
 
 @triton.jit
 def xchg_sum(xchg, y, n0, rows, width, tp_rank, tp_size, tag, hdr, site, cta, budget_ns, N: tl.constexpr,
-             ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr = 1):
+             ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     """Await every rank's partial of columns [n0, n0 + BLOCK_N) and store their sum to y [rows, N] fp32.
 
     One poll covers all ranks' pairs of a row ([TP_MAX, BLOCK_N], ranks >= tp_size masked), so a row
     costs one round trip, not one per rank (8 dependent polls with a fence each: ~6 us traced at TP8).
     The ranks are added by one reduction over the rank axis: a fixed order, the same code and layout on
-    every rank, so every rank gets the same bits. G > 1: each rank's partial comes as G planes (row g *
-    width + r of its slot: the moe_down expert groups), in the same poll; they are added in group order
-    first (what down_join's plane_sum did), then the ranks as above. -> ok."""
-    GP: tl.constexpr = triton.next_power_of_2(G)
-    k = tl.arange(0, TP_MAX * GP * BLOCK_N)
-    src = k // (GP * BLOCK_N)
-    grp = (k // BLOCK_N) % GP
+    every rank, so every rank gets the same bits. -> ok."""
+    k = tl.arange(0, TP_MAX * BLOCK_N)
+    src = k // BLOCK_N
     n = n0 + k % BLOCK_N
     ok = 1
     r = 0
     while (r < rows) & (ok != 0):
-        m = (src < tp_size) & (grp < G) & (n < N)
-        base = xchg + (tp_rank * tp_size + src).to(tl.int64) * (G * width) * N + (grp * width + r) * N
+        m = (src < tp_size) & (n < N)
+        base = xchg + (tp_rank * tp_size + src).to(tl.int64) * width * N + r * N
         vals, ok = await_pairs(base + n, m, tag, hdr, site, cta, budget_ns)
-        if G == 1:
-            v = tl.reshape(tl.where(m, vals.to(tl.float32, bitcast=True), 0.0), [TP_MAX, BLOCK_N])
-        else:
-            v3 = tl.reshape(tl.where(m, vals.to(tl.float32, bitcast=True), 0.0), [TP_MAX, GP, BLOCK_N])
-            gi = tl.arange(0, GP)[None, :, None]
-            v = tl.sum(tl.where(gi == 0, v3, 0.0), axis=1)          # one nonzero term: plane 0 exactly
-            for j in tl.static_range(1, G):
-                v += tl.sum(tl.where(gi == j, v3, 0.0), axis=1)
+        v = tl.reshape(tl.where(m, vals.to(tl.float32, bitcast=True), 0.0), [TP_MAX, BLOCK_N])
         if ok != 0:
             cols = n0 + tl.arange(0, BLOCK_N)
             tl.store(y + r * N + cols, tl.sum(v, axis=0), mask=cols < N)
@@ -183,16 +172,12 @@ def xchg_sum(xchg, y, n0, rows, width, tp_rank, tp_size, tag, hdr, site, cta, bu
 
 @triton.jit
 def peer_publish(xchg, peer, p, n0, rows, width, tp_rank, tp_size, tag, site, fault_site, N: tl.constexpr,
-                 ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr = 1):
+                 ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     """Loopback (one GPU, TP > 1): rank p's partial of columns [n0, n0 + BLOCK_N), taken from
-    peer [tp, width, N] fp32, into this rank's slot for source p. G > 1 (a mailbox of G planes a row, see
-    xchg_sum): the partial as plane 0, zeros as planes 1 .. G - 1 (their sum is the partial)."""
+    peer [tp, width, N] fp32, into this rank's slot for source p."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, ROWS_PAD)
     m = (offs_n[:, None] < N) & (offs_r[None, :] < rows)
     v = tl.load(peer + (p * width + offs_r[None, :]) * N + offs_n[:, None], mask=m, other=0.0)
-    base = xchg + (tp_rank * tp_size + p).to(tl.int64) * (G * width) * N
+    base = xchg + (tp_rank * tp_size + p).to(tl.int64) * width * N
     publish_pairs(base + offs_r[None, :] * N + offs_n[:, None], v, tag, m, site, fault_site)
-    for j in tl.static_range(1, G):
-        publish_pairs(base + (j * width + offs_r[None, :]) * N + offs_n[:, None], tl.zeros_like(v), tag, m, site,
-                      fault_site)

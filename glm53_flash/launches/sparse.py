@@ -189,7 +189,7 @@ class SparseLaunch(KdaLaunch):
     def site_names(cls, tp_size: int = 1, down_groups: int = 1, **_) -> list[str]:
         s = ["hp1", "a_in", "ya", "qr", "q", "hs0", "hs1", "hs2", "hs3", "idx", "ql", "att", "o"]
         s += (["xo"] if tp_size > 1 else []) + ["cf1", "hp2", "a", "rl", "hg", "sel", "xe", "h"]
-        s += (["dp"] if down_groups > 1 and tp_size == 1 else []) + ["cf2"] + (["xd"] if tp_size > 1 else [])
+        s += (["dp"] if down_groups > 1 else []) + ["cf2"] + (["xd"] if tp_size > 1 else [])
         return [f"{cls.kind}.{n}" for n in s]
 
     def _mat_stage(self, g, fam, mats, reads, box) -> None:
