@@ -66,5 +66,6 @@ def kernel_registers(specs: list, timeout: float = 300) -> list[dict]:
     res = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(specs)], env=env, capture_output=True,
                          text=True, timeout=timeout)
     if res.returncode != 0:
-        raise RuntimeError(f"offline sm_90 compile failed:\n{res.stderr[-3000:]}")
+        err = res.stderr if len(res.stderr) <= 6000 else res.stderr[:3500] + "\n[...]\n" + res.stderr[-2500:]
+        raise RuntimeError(f"offline sm_90 compile failed (the root cause first):\n{err}")
     return json.loads(res.stdout.strip().splitlines()[-1])
