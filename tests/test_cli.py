@@ -94,10 +94,10 @@ def test_all_layer_kernels_match_reference_and_survive_a_fault(tiny_dir, capsys)
     retried, and the tokens equal the reference path's."""
     ref = _generate_json(tiny_dir, capsys, "--path", "reference", prompt="3,17", n=2)
     rc = main(["generate", "--checkpoint", str(tiny_dir), "--prompt", "3,17", "--max-new-tokens", "2", "--json",
-               "--kernels", "embed,dense,kda,sparse,tail", "--inject-fault", "dense:dense.yin"])
+               "--kernels", "embed,dense,kda,sparse,tail", "--inject-fault", "dense:dense.a_in"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
-    assert "HandoffTimeout" in cap.err and "dense.yin" in cap.err
+    assert "HandoffTimeout" in cap.err and "dense.a_in" in cap.err
     out = json.loads(cap.out.strip().splitlines()[-1])
     assert out["tokens"] == ref["tokens"]
     for (i1, v1), (i2, v2) in zip(out["last_logits_top5"], ref["last_logits_top5"]):

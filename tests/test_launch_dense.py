@@ -160,7 +160,7 @@ def test_dense_fault_every_site_then_clean(tiny_cfg, tiny_weights, tiny_ref, gen
     X, caches = make_step(tiny_cfg, tiny_ref, DENSE_LAYER, 1, gen)
     S, W = rank_state(tiny_cfg, caches, DENSE_LAYER)
     L = DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, width=1)
-    fault_every_site(L, X, S, W, sites("dense", head_dim=64, gate_fold=True))        # width 1: no a_in (gate_fold)
+    fault_every_site(L, X, S, W, sites("dense", head_dim=64))
     with pytest.raises(KeyError, match="unknown wait site 'dense.nope'"):
         L.run(X, S, W, inject_fault="dense.nope")
 
@@ -169,7 +169,7 @@ def test_dense_tp2_simulated_and_fault(tiny_cfg, tiny_weights, tiny_ref, gen, on
     X, caches = make_step(tiny_cfg, tiny_ref, DENSE_LAYER, 2, gen)
     xchg = new_xchg(tiny_cfg, 2, 2, "cpu")
     Ls = [DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, tp_rank=r, tp_size=2, width=2, xchg=xchg) for r in range(2)]
-    assert [s.split(".")[1] for s in Ls[0].sites] == ["hp1", "yin", "o", "xo", "cf1", "hp2", "a", "hg", "h",   # gate_fold
+    assert [s.split(".")[1] for s in Ls[0].sites] == ["hp1", "a_in", "yin", "o", "xo", "cf1", "hp2", "a", "hg", "h",
                                                      "cf2", "xd"]
     ins = [(X, *rank_state(tiny_cfg, caches, DENSE_LAYER, r, 2)) for r in range(2)]
     before = [(s.clone(), w.clone()) for _, s, w in ins]
@@ -222,9 +222,6 @@ def test_layer_kinds_api_and_bad_inputs(tiny_cfg, tiny_weights, gen):
                                                                   "h", "cf2")]
     assert sites("dense") == [f"dense.{s}" for s in ("hp1", "a_in", "yin", "oraw", "o", "cf1", "hp2", "a", "hg", "h",
                                                      "cf2")]
-    assert "dense.a_in" not in sites("dense", gate_fold=True)
-    with pytest.raises(ValueError, match="unknown options"):
-        sites("dense", gate_folds=True)
     with pytest.raises(ValueError, match="layer 4 is a 'kda' launch"):
         DenseLaunch(tiny_cfg, tiny_weights, 4)
     with pytest.raises(ValueError, match="width=3"):

@@ -32,7 +32,7 @@ def test_embed_faults_and_bad_tokens(tiny_cfg, tiny_weights, tiny_ref, gen, one_
     tokens = torch.tensor([7])
     S, W = rank_state(tiny_cfg, caches, 0)
     L = EmbedLaunch(tiny_cfg, tiny_weights, width=1)
-    assert list(L.sites) == sites("embed", head_dim=64, gate_fold=True)             # width 1: gate_fold
+    assert list(L.sites) == sites("embed", head_dim=64)
     S0, W0 = S.clone(), W.clone()
     for site in (L.sites.names[0], L.sites.names[-1]):
         with pytest.raises(HandoffTimeout, match=f"wait site '{site}'"):

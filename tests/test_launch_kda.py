@@ -79,10 +79,8 @@ def test_kda_fault_every_site_then_clean(tiny_cfg, tiny_weights, tiny_ref, gen, 
     X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 1, gen)
     S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
     L = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=1)
-    # width 1 folds the mixer's gate row into inproj (gate_fold): no a_in site
-    want = [f"kda.{s}" for s in ("hp1", "yin", "o", "cf1", "hp2", "a", "rl", "hg", "sel", "xe", "h", "cf2")]
-    assert sites("kda", head_dim=64, gate_fold=True) == want
-    assert sites("kda", head_dim=64) == want[:1] + ["kda.a_in"] + want[1:]
+    want = [f"kda.{s}" for s in ("hp1", "a_in", "yin", "o", "cf1", "hp2", "a", "rl", "hg", "sel", "xe", "h", "cf2")]
+    assert sites("kda", head_dim=64) == want
     fault_every_site(L, X, S, W, want, clean_after=("kda.hp1", "kda.rl", "kda.xe"))
 
 
@@ -97,29 +95,6 @@ def test_kda_tp2_simulated(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
     for r in range(2):
         check_step(Ls[r], outs[r], ins[r][1], ins[r][2], tiny_ref, caches, KDA_LAYER, X, TOL_BF16, tp=2, rank=r,
                    label="tp2")
-
-
-def test_kda_gate_fold(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch):
-    """gate_fold (launches/kda.py gate_fold_width): at widths up to 2 the router tasks wait hp2 and form their K
-    range of the FFN gate row themselves (ffn.gate_slice) instead of waiting for gate2's row. On and off at the
-    same width: bitwise the same router logit partials, output, state and window (gate2's code in the same
-    order); the reference; every wait site faulted, then a clean launch."""
-    X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 2, gen)
-    outs = {}
-    for width in (0, 2):
-        monkeypatch.setattr(KdaLaunch, "gate_fold_width", width)
-        L = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=2)
-        routers = [t for t in L.schedule.tasks if t.family == "router"]
-        assert L.gate_fold == (width == 2) and routers
-        assert all(t.reads == (("hp2",) if width else ("a",)) for t in routers)
-        S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
-        poison_scratch(L)
-        out = L.run(X, S, W)
-        outs[width] = (out, S, W, L.layout.view(L.scratch, "part_r").clone())
-        check_step(L, out, S, W, tiny_ref, caches, KDA_LAYER, X, TOL_BF16, label=f"gate-fold-width{width}")
-    for a, b in zip(outs[0], outs[2]):
-        assert torch.equal(a, b)
-    fault_every_site(L, X, *rank_state(tiny_cfg, caches, KDA_LAYER), list(L.sites), clean_after=("kda.hp2",))
 
 
 def test_kda_act_fold(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch):

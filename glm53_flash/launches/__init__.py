@@ -49,8 +49,7 @@ def sites(kind: str, tp: int = 1, **options) -> list[str]:
 
     tp and options select the variant; the defaults are the ones the runner builds. Tail: norm_mode.
     KDA layer kinds: head_dim (default 128, the real model; 64 on the tiny preset) or block_v_split
-    (True when the KDA value blocks are narrower than a head, which adds the `oraw` site), and gate_fold
-    (default False, the build of widths > 2; True at widths 1-2, which have no `a_in` site). sparse and
+    (True when the KDA value blocks are narrower than a head, which adds the `oraw` site). sparse and
     nextn take no options. A built launch's own list is `launch.sites`."""
     _check_kind(kind)
     cls = _launch_class(kind)
@@ -58,12 +57,11 @@ def sites(kind: str, tp: int = 1, **options) -> list[str]:
         from .layer_host import default_block_v
         split = options.pop("block_v_split", None)
         head_dim = options.pop("head_dim", 128)
-        fold = options.pop("gate_fold", False)
         if options:
             raise ValueError(f"sites({kind!r}): unknown options {sorted(options)}")
         if split is None:
             split = default_block_v(head_dim) < head_dim
-        return cls.site_names(tp, block_v_split=split, gate_fold=fold)
+        return cls.site_names(tp, block_v_split=split)
     if kind in _DSA_KINDS:
         if options:
             raise ValueError(f"sites({kind!r}): unknown options {sorted(options)}")

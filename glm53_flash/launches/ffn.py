@@ -19,7 +19,7 @@ import triton.language as tl
 
 from sync.device import signal_box, trace_mark, wait_box, wait_box2
 
-from ..kernels.gemv import _mult16, gemv_store, gemv_stream
+from ..kernels.gemv import gemv_store, gemv_stream
 from ..kernels.mhc import hc_partial_finish, hc_partial_prefetch, hc_post_partial, hc_post_tile
 from .tail import _l2_prefetch
 from .mixer_kda import SLOT_W, coef_row, embed_gather, gate_row, peer_publish, xchg_publish, xchg_sum
@@ -29,8 +29,8 @@ BOX_BASE_H = 64
 BOX_BASE: tl.constexpr = tl.constexpr(BOX_BASE_H)
 COMMON_BOXES = ("hp1", "a_in", "o", "hp2", "a", "h", "rl", "xe", "hg", "sel", "dp", "cf1", "cf2")
 COMMON_ROWS = ("part1", "part2", "coef1", "coef2", "a_in_rows", "a_rows", "o_rows", "y1", "xmid", "h_rows", "y2",
-               "part_r", "ids_rec", "rw_rec", "act_e", "hpart", "epart", "dpart", "act_cta", "xg_cta")
-COMMON_SCALARS = ("hdr", "site_xo", "site_xd", "npart1", "npart2", "nrpart", "act_fold", "gate_fold")
+               "part_r", "ids_rec", "rw_rec", "act_e", "hpart", "epart", "dpart", "act_cta")
+COMMON_SCALARS = ("hdr", "site_xo", "site_xd", "npart1", "npart2", "nrpart", "act_fold")
 
 
 def meta_layout(boxes: tuple, rows_regions: tuple):
@@ -43,8 +43,8 @@ def meta_layout(boxes: tuple, rows_regions: tuple):
 
 _META, _ = meta_layout(COMMON_BOXES, COMMON_ROWS)
 (M_PART1, M_PART2, M_COEF1, M_COEF2, M_AIN, M_A, M_ON, M_Y1, M_XMID, M_H, M_Y2, M_PART_R, M_IDS, M_RW, M_ACTE, M_HPART,
- M_EPART, M_DPART, M_ACT_CTA, M_XG_CTA, M_HDR, M_SITE_XO, M_SITE_XD, M_NPART1, M_NPART2, M_NRPART,
- M_ACT_FOLD, M_GATE_FOLD) = (tl.constexpr(_META[n])
+ M_EPART, M_DPART, M_ACT_CTA, M_HDR, M_SITE_XO, M_SITE_XD, M_NPART1, M_NPART2, M_NRPART,
+ M_ACT_FOLD) = (tl.constexpr(_META[n])
                                                                       for n in COMMON_ROWS + COMMON_SCALARS)
 (B_HP1, B_AIN, B_O, B_HP2, B_A, B_H, B_RL, B_XE, B_HG, B_SEL, B_DP, B_CF1,
  B_CF2) = (tl.constexpr(i) for i in range(len(COMMON_BOXES)))
@@ -254,28 +254,9 @@ def gate_task(xs, base, scale, ln, scratch, meta, rows, a0, a1, a2, rdy, pid, ta
     out = act_at(scratch, meta, M_A if SECOND else M_AIN, ACT_F32)
     ok, rdy = waitb(scratch, meta, B_HP2 if SECOND else B_HP1, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
-        gate_row(xs, part, n_parts, base, scale, ln, out, a2, rows, a0, eps, hc_eps, hdr, pid, H, ROWS_PAD, GATE_BH, H)
+        gate_row(xs, part, n_parts, base, scale, ln, out, a2, rows, a0, eps, hc_eps, hdr, pid, H, ROWS_PAD, GATE_BH)
         signal(scratch, meta, B_A if SECOND else B_AIN, a1, tag, fault_site)
     return ok, rdy
-
-
-@triton.jit(noinline=True)
-def gate_slice(xs, base, scale, ln, part, n_parts, dst, rows, c0, hdr, pid, eps, hc_eps, H: tl.constexpr,
-               ROWS_PAD: tl.constexpr, BW: tl.constexpr):
-    """gate_fold: columns [c0, c0 + BW) of the FFN gate row a of every row, formed by the consumer itself from
-    the hp2 partial slots into this CTA's rows dst [rows, BW] (gate_row: gate2's code and order, so the same
-    bits as a). A consumer that needs one slice of a (the router's K range) waits hp2 and skips the gate2
-    stage and its hop. -> x with x + r * BW + c = a[r, c] for c in [c0, c0 + BW)."""
-    CH: tl.constexpr = BW if BW < 512 else 512  # X [4, CH] fp32 a step: 16 registers a thread at 4 warps
-    x = dst - _mult16(c0)                      # c0 is a multiple of 16: x stays 32-byte aligned (vector copies)
-    tl.debug_barrier()                         # the CTA's previous reads of dst are done
-    r = 0
-    while r < rows:
-        gate_row(xs, part, n_parts, base, scale, ln, x, r, rows, _mult16(c0), eps, hc_eps, hdr, pid, H, ROWS_PAD,
-                 BW, BW, CH)
-        r += 1
-    tl.debug_barrier()                         # every thread's stores before the CTA's GEMV reads them
-    return x
 
 
 @triton.jit(noinline=True)

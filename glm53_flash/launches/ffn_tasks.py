@@ -23,19 +23,21 @@ gave a TP8 stage of 24 (dense) or 4 (shared expert) tasks, each a chain of 64 se
 CTA's ~30 GB/s, 35-54 us (in-kernel trace, 2026-12-01). Split K, every CTA streams a slice; SwiGLU is
 not linear, so the slices join before it, in a small act stage (one hop, ~1-2 us).
 """
+import os
+
 import triton
 import triton.language as tl
 
+from sync.asm import fence_acq_rel
 from sync.device import trace_mark
 
 from ..kernels.gemv import gemv_store, gemv_stream, plane_sum
 from ..kernels.mlp import swiglu_clamped
 from ..kernels.moe import (expert_id, moe_down_group, router_finish, router_prefetch, router_select,
                            router_store_partial, router_store_record)
-from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_HP2, B_RL, B_SEL, B_XE, M_A, M_ACT_CTA, M_ACT_FOLD, M_ACTE, M_COEF2,
-                  M_DPART, M_EPART, M_GATE_FOLD, M_H, M_HPART, M_IDS, M_NPART2, M_NRPART, M_PART2, M_PART_R, M_RW,
-                  M_SITE_XD, M_XG_CTA, M_XMID, M_Y2, _rank_sum_tiles, act_at, add_cols, f32_at, gate_slice, gemv_tile,
-                  i32_at, l2_prefetch_rows, post_cols, signal, waitb, waitb2)
+from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACT_CTA, M_ACT_FOLD, M_ACTE, M_COEF2, M_DPART,
+                  M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles,
+                  act_at, add_cols, f32_at, gemv_tile, i32_at, l2_prefetch_rows, post_cols, signal, waitb, waitb2)
 from .mixer_kda import xchg_publish
 
 FFN_BASE = tl.constexpr(40)
@@ -51,6 +53,9 @@ def with_ffn_families(own: dict) -> dict:
         raise ValueError(f"task families clash with the FFN families: {sorted(map(str, clash))}")
     return {**own, **FFN_FAMILIES}
 
+
+# GLM53_ACT_FENCE=1 (A/B timings only): _group_act fences its stores at gpu scope before the barrier, as it did
+ACT_FENCE: tl.constexpr = tl.constexpr(os.environ.get("GLM53_ACT_FENCE", "") == "1")
 
 ACT_COLS = 256              # act columns per task (expert activations) and per vector step
 ACT_BLOCK = tl.constexpr(ACT_COLS)
@@ -190,50 +195,19 @@ def post2_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, 
     return ok
 
 
-ROUTER_PARTS_H = 16     # K ranges of the router GEMV: 288 tasks of 16 KB at E = 288 (4 parts: 72 of 64 KB, ~30 us)
-ROUTER_PARTS = tl.constexpr(ROUTER_PARTS_H)
-
-
-def router_split(H: int, rck: int) -> int:
-    """Columns of one router K range (the last may be shorter): H / ROUTER_PARTS rounded up to the K step."""
-    return -(-(-(-H // ROUTER_PARTS_H)) // rck) * rck
-
-
-def router_bw(H: int, rck: int) -> int:
-    """router_split rounded up to a power of two: the width of a gate_fold slice (xg_cta rows). router_task
-    computes the same from its constexprs (a kernel cannot call this function)."""
-    return triton.next_power_of_2(router_split(H, rck))
-
-
 @triton.jit(noinline=True)
-def router_task(W_r, base2, scale2, ln2, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns,
-                fault_site, eps, hc_eps, E: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
-                RCK: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr):
+def router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns, fault_site,
+                E: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RCK: tl.constexpr,
+                NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr):
     """Router logit partial: experts [a0, a0 + BLOCK_E), K range [a1, a2), K part a4, producer a3 of rl.
-    gate_fold (meta word; launches/kda.py, 1-2 rows): the task waits hp2 instead of a and forms its K range of
-    the gate row itself (ffn.gate_slice, the same bits as gate2's): no gate2 stage or hop before the router.
     -> (ok, rdy)."""
-    BW: tl.constexpr = triton.next_power_of_2((((H + ROUTER_PARTS - 1) // ROUTER_PARTS + RCK - 1) // RCK) * RCK)  # router_bw
     w0 = router_prefetch(W_r, a0, a1, a2, E, H, BLOCK_E, RCK)
-    part = f32_at(scratch, meta, M_PART_R) + a4 * width * E            # meta words before the wait (see waitb)
-    fold = tl.load(meta + M_GATE_FOLD)
-    if fold != 0:
-        xs = f32_at(scratch, meta, M_XMID)
-        slots = f32_at(scratch, meta, M_PART2)
-        n_slots = tl.load(meta + M_NPART2)
-        dst = act_at(scratch, meta, M_XG_CTA, ACT_F32) + pid * (width * BW)
-        ok, rdy = waitb(scratch, meta, B_HP2, rdy, pid, tag, hdr, timeout_ns)
-        if ok != 0:             # (two router_finish calls: each keeps its x row stride a constexpr, so vector copies)
-            x = gate_slice(xs, base2, scale2, ln2, slots, n_slots, dst, rows, a1, hdr, pid, eps, hc_eps, H, ROWS_PAD, BW)
-            lg = router_finish(w0, W_r, x, BW, rows, a0, a1, a2, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES)
-            router_store_partial(part, lg, rows, a0, E, ROWS_PAD, BLOCK_E)
-    else:
-        x = act_at(scratch, meta, M_A, ACT_F32)
-        ok, rdy = waitb(scratch, meta, B_A, rdy, pid, tag, hdr, timeout_ns)
-        if ok != 0:
-            lg = router_finish(w0, W_r, x, H, rows, a0, a1, a2, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES)
-            router_store_partial(part, lg, rows, a0, E, ROWS_PAD, BLOCK_E)
+    x = act_at(scratch, meta, M_A, ACT_F32)                             # meta words before the wait (see waitb)
+    part = f32_at(scratch, meta, M_PART_R) + a4 * width * E
+    ok, rdy = waitb(scratch, meta, B_A, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
+        lg = router_finish(w0, W_r, x, H, rows, a0, a1, a2, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES)
+        router_store_partial(part, lg, rows, a0, E, ROWS_PAD, BLOCK_E)
         signal(scratch, meta, B_RL, a3, tag, fault_site)
     return ok, rdy
 
@@ -299,6 +273,8 @@ def _group_act(scratch, meta, rr, g, pid, width, swiglu_limit, KE: tl.constexpr,
     tl.debug_barrier()                                  # the previous row's GEMVs are done with the row
     swiglu_join(f32_at(scratch, meta, M_EPART) + rr * KE * 2 * I_E, width * KE * 2 * I_E, src, g * PG * I_E,
                 tl.minimum(g * PG + PG, KE) * I_E, swiglu_limit, I_E, KS_E, ACT_BLOCK)
+    if ACT_FENCE:
+        fence_acq_rel()                                 # A/B only (GLM53_ACT_FENCE=1): the fence this fold had
     tl.debug_barrier()
 
 
@@ -425,7 +401,7 @@ def down_join_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, 
 @triton.jit
 def ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_site, scratch, meta, rows, width,
              tp_rank, tp_size, X_out, xd, W_g, S_g, W_u, S_u, W_d, S_d, W_r, bias_r, w_gu, s_gu, w_de, s_de,
-             swiglu_limit, scaling, base2, scale2, ln2, eps, hc_eps, H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, KE: tl.constexpr,
+             swiglu_limit, scaling, H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, KE: tl.constexpr,
              I_E: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr,
              ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr,
              NUM_STAGES: tl.constexpr, BLOCK_E: tl.constexpr, RCK: tl.constexpr, ACT_F32: tl.constexpr,
@@ -440,9 +416,8 @@ def ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_
                            swiglu_limit, I, KE, I_E, ACT_F32, KS_GU, KS_E)
     elif fam == 42:                                    # router: experts [a0, +BLOCK_E), k in [a1, a2), producer a3
         if MOE:
-            ok, rdy = router_task(W_r, base2, scale2, ln2, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag,
-                                  hdr, timeout_ns, fault_site, eps, hc_eps, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES,
-                                  ACT_F32)
+            ok, rdy = router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns,
+                                  fault_site, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES, ACT_F32)
     elif fam == 43:                                    # expert slot: row a0, rank a1, tile a2, K slice a3
         if MOE:
             ok, rdy = expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr,

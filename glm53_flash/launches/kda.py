@@ -3,8 +3,7 @@
 The mixer half is the shared KDA layer launch (launches/kda_layer.py, layer_host.py). The FFN half
 (device side: launches/ffn_tasks.py):
   moe_route  [waits a] router partial tiles (BLOCK_E experts x one of ROUTER_PARTS K ranges, fp32
-             logits) -> rl, and the shared expert's gate|up K slices -> hpart planes (hg); at 1-2 rows
-             (gate_fold_width) the router waits hp2 and forms its K range of a itself (ffn.gate_slice)
+             logits) -> rl, and the shared expert's gate|up K slices -> hpart planes (hg)
   route      [waits rl] one task per row: the row's top-k -> its record (ids, weights) (sel); the
              shared expert's act tasks ride here ([waits hg] -> h)
   experts    [waits sel] static slots (row, rank j, intermediate tile, K slice): the chosen expert's
@@ -24,12 +23,13 @@ import os
 import torch
 
 from ..kernels.moe import pack_experts
-from .ffn_tasks import ACT_COLS, ROUTER_PARTS_H as ROUTER_PARTS, router_bw, router_split
+from .ffn_tasks import ACT_COLS
 from ..schedule import choose_groups
 from .layer_host import KdaLayerLaunch
 
 RCK = 32            # router K step (kernels/moe.py ROUTER_CK)
 BLOCK_E = 16        # experts per router tile
+ROUTER_PARTS = 16   # K ranges of the router GEMV: 288 tasks of 16 KB at E = 288 (4 parts: 72 of 64 KB, ~30 us traced)
 
 
 class KdaLaunch(KdaLayerLaunch):
@@ -44,9 +44,8 @@ class KdaLaunch(KdaLayerLaunch):
     act_fold_width: int = int(os.environ.get("GLM53_ACT_FOLD_WIDTH", "2"))
 
     @classmethod
-    def site_names(cls, tp_size: int = 1, block_v_split: bool = False, down_groups: int = 1,
-                   gate_fold: bool = False) -> list[str]:
-        s = ["hp1"] + ([] if gate_fold else ["a_in"]) + ["yin"] + (["oraw"] if block_v_split else []) + ["o"]
+    def site_names(cls, tp_size: int = 1, block_v_split: bool = False, down_groups: int = 1) -> list[str]:
+        s = ["hp1", "a_in", "yin"] + (["oraw"] if block_v_split else []) + ["o"]
         s += (["xo"] if tp_size > 1 else []) + ["cf1", "hp2", "a", "rl", "hg", "sel", "xe", "h"]
         s += (["dp"] if down_groups > 1 else []) + ["cf2"] + (["xd"] if tp_size > 1 else [])
         return [f"kda.{n}" for n in s]
@@ -88,9 +87,8 @@ class KdaLaunch(KdaLayerLaunch):
         # router K ranges: the fp32 router weight (4.7 MB at E = 288) over E / BLOCK_E x ROUTER_PARTS tasks;
         # a fixed count, not one derived from the grid, so the partials' join order (bits) is the same on
         # every grid
-        split = router_split(self.H, RCK)
+        split = -(-(-(-self.H // ROUTER_PARTS)) // RCK) * RCK
         self.r_split = split
-        self.router_bw = router_bw(self.H, RCK)                      # a gate_fold slice's width (xg_cta rows)
         self.nrpart = -(-self.H // split)
         # gate|up K slices of the shared expert and of one row's expert slots (KE x I_E / BLOCK_N tiles: the
         # count of a single row, so every width gets the same split and the same bits)
@@ -111,7 +109,7 @@ class KdaLaunch(KdaLayerLaunch):
         for p in range(self.nrpart):
             k0, k1 = p * self.r_split, min((p + 1) * self.r_split, H)
             for e0 in range(0, self.E, BLOCK_E):
-                g.add("router", (e0, k0, k1, slot, p), reads=("hp2",) if self.gate_fold else ("a",), writes=("rl",),
+                g.add("router", (e0, k0, k1, slot, p), reads=("a",), writes=("rl",),
                       nbytes=min(BLOCK_E, self.E - e0) * (k1 - k0) * 4)
                 slot += 1
         self.n_box["rl"] = slot

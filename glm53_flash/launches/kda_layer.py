@@ -7,8 +7,7 @@ tagged pairs across TP ranks; every wait is a named site `<kind>.<region>`):
   0 hc_pre    column tiles of the 4 streams -> hc_pre partial slots (24 GEMV sums + Gram matrix);
               embed: the task first gathers its columns of the embedding rows into 4 streams (x0).
   1 gate_in   [waits hp1] (row, column tile) of the attention gate row a_in (bf16): each task joins the
-              slots for pre and rstd (no Sinkhorn); at 1-2 rows (gate_fold) no such tasks: each inproj task
-              forms its K slice of a_in itself. coef1 (one task per row, on a CTA of its own): the same
+              slots for pre and rstd (no Sinkhorn). coef1 (one task per row, on a CTA of its own): the same
               join, the Sinkhorn -> coef1 (pre | post | comb), box cf1; hc_post waits on cf1.
   2 inproj    [waits a_in] GEMV tiles of the fused q|k|v|b|f_a|g_a rows, split-K into KS_IN slices
               (schedule.py choose_k_split) -> yin planes [KS_IN, width, N_IN] fp32; the tiles' first lines
@@ -53,10 +52,9 @@ import triton.language as tl
 
 from sync.device import launch_begin, launch_end, trace_clock, trace_cycles, trace_store
 
-from .ffn import (B_AIN, B_HP1, B_O, COMMON_BOXES, COMMON_ROWS, M_AIN, M_GATE_FOLD, M_HDR, M_NPART1, M_ON, M_PART1,
-                  M_SITE_XD, M_SITE_XO, M_XG_CTA, M_XMID, act_at, coef_task, f32_at, gate_slice, gate_task, gemv_tile,
-                  hc_pre_task, l2_prefetch_rows, meta_layout, oproj_task, peer_task, post1_task, signal, task_entry,
-                  waitb)
+from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO, M_XMID, act_at,
+                  coef_task, f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows, meta_layout, oproj_task,
+                  peer_task, post1_task, signal, task_entry, waitb)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
 from .mixer_kda import kda_block, kda_norm_task, kda_prefetch
 
@@ -80,40 +78,23 @@ def _streams(X, scratch, meta, EMBED: tl.constexpr):
 
 
 @triton.jit(noinline=True)
-def _inproj_task(W_in, xs, base1, scale1, ln1, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr,
-                 timeout_ns, fault_site, eps, hc_eps, H: tl.constexpr, N_IN: tl.constexpr, ROWS_PAD: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 ACT_F32: tl.constexpr, KS: tl.constexpr):
+def _inproj_task(W_in, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site,
+                 H: tl.constexpr, N_IN: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr,
+                 KS: tl.constexpr):
     """inproj tiles a0 .. a0 + a1 - 1, K slice a3 of KS, after the a_in wait -> yin plane a3, producer a2.
-    gate_fold (meta word; layer_host.py, 1-2 rows): the task waits hp1 instead and forms its K slice of the gate
-    row a_in itself (ffn.gate_slice: gate1's code and order, so the same bits); there is no gate_in row then.
     -> (ok, rdy)."""
     KL: tl.constexpr = H // KS
-    BW: tl.constexpr = triton.next_power_of_2(KL)
     k0 = a3 * KL
     l2_prefetch_rows(W_in + k0, a0 * BLOCK_N, N_IN, H, BLOCK_N)        # weights before the wait
     y = f32_at(scratch, meta, M_YIN) + a3 * width * N_IN                # meta words too (see ffn.waitb)
-    fold = tl.load(meta + M_GATE_FOLD)
-    if fold != 0:
-        slots = f32_at(scratch, meta, M_PART1)
-        n_slots = tl.load(meta + M_NPART1)
-        dst = act_at(scratch, meta, M_XG_CTA, ACT_F32) + pid * (width * BW)
-        ok, rdy = waitb(scratch, meta, B_HP1, rdy, pid, tag, hdr, timeout_ns)
-        if ok != 0:             # (two tile loops: each keeps its x row stride a constexpr, so vector copies)
-            x = gate_slice(xs, base1, scale1, ln1, slots, n_slots, dst, rows, k0, hdr, pid, eps, hc_eps, H, ROWS_PAD, BW)
-            j = 0
-            while j < a1:
-                gemv_tile(W_in, W_in, x, BW, (a0 + j) * BLOCK_N, k0, k0 + KL, rows, 1, 0, 1, y, N_IN, W_in, 0, 0,
-                          fault_site, N_IN, H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, False)
-                j += 1
-    else:
-        x = act_at(scratch, meta, M_AIN, ACT_F32)
-        ok, rdy = waitb(scratch, meta, B_AIN, rdy, pid, tag, hdr, timeout_ns)
-        j = 0
-        while (j < a1) & (ok != 0):
-            gemv_tile(W_in, W_in, x, H, (a0 + j) * BLOCK_N, k0, k0 + KL, rows, 1, 0, 1, y, N_IN, W_in, 0, 0,
-                      fault_site, N_IN, H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, False)
-            j += 1
+    x = act_at(scratch, meta, M_AIN, ACT_F32)
+    ok, rdy = waitb(scratch, meta, B_AIN, rdy, pid, tag, hdr, timeout_ns)
+    j = 0
+    while (j < a1) & (ok != 0):
+        gemv_tile(W_in, W_in, x, H, (a0 + j) * BLOCK_N, k0, k0 + KL, rows, 1, 0, 1,
+                  y, N_IN, W_in, 0, 0, fault_site, N_IN, H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, False)
+        j += 1
     if ok != 0:
         signal(scratch, meta, B_YIN, a2, tag, fault_site)
     return ok, rdy
@@ -205,9 +186,9 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                                     a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, False, H, ROWS_PAD,
                                     GATE_BH, ACT_F32)
             elif fam == 2:                                 # inproj: tiles a0 .. a0 + a1 - 1, producer a2
-                ok, rdy = _inproj_task(W_in, _streams(X, scratch, meta, EMBED), base1, scale1, ln1, scratch, meta, rows,
-                                       width, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps,
-                                       H, N_IN, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32, KS_IN)
+                ok, rdy = _inproj_task(W_in, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr,
+                                       timeout_ns, fault_site, H, N_IN, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES,
+                                       ACT_F32, KS_IN)
             elif fam == 3:                                 # kda: row a0, head a1, block a2, producer a3
                 ok, rdy = _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w, scratch,
                                     meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, eps,
@@ -242,8 +223,7 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
             elif fam >= FFN_BASE:                          # the FFN families (launches/ffn_tasks.py)
                 ok, rdy = ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_site, scratch,
                                    meta, rows, width, tp_rank, tp_size, X_out, xd, W_g, S_g, W_u, S_u, W_d, S_d, W_r,
-                                   bias_r, w_gu, s_gu, w_de, s_de, swiglu_limit, scaling, base2, scale2, ln2, eps,
-                                   hc_eps, H, I, E, KE, I_E, E_PAD,
+                                   bias_r, w_gu, s_gu, w_de, s_de, swiglu_limit, scaling, H, I, E, KE, I_E, E_PAD,
                                    K_PAD, RENORM, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, BLOCK_E, RCK, ACT_F32,
                                    MOE, False, 0, KS_GU, KS_E, KG)
             if TRACE:

@@ -16,7 +16,6 @@ A launch that raises HandoffTimeout leaves them exactly as they were.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import torch
@@ -92,13 +91,6 @@ class KdaLayerLaunch(Launch):
     # 1 row, bf16 on the H200: 518 us at 1 CTA per SM, 456 us at 2 (block_n 32: 660, 8 warps: 522)
     default_ctas_per_sm = 2
     NEXTN = False                 # the NextN block (launches/nextn.py) has no mHC: no coef tasks or waits
-    # gate_fold: up to this width the first GEMV after an mHC gate row forms its own K range of the row from the
-    # hc_pre partial slots (ffn.gate_slice, gate_row's code and order: the same bits) instead of waiting for the
-    # gate stage's row: one stage and one hop fewer. Wider, every such task would repeat every row's join; the
-    # gate tasks do it once a row. The KDA mixer's inproj (the gate_in stage goes away) and the MoE router (the
-    # gate2 hop; gate2 stays, for the experts). GLM53_GATE_FOLD_WIDTH sets it for A/B timings (0: never).
-    gate_fold_width: int = int(os.environ.get("GLM53_GATE_FOLD_WIDTH", "2"))
-    MIXER_GATE_FOLD = True        # this mixer's first GEMV (inproj) implements gate_fold (the DSA mixer's does not)
     META_LAYOUT = (BOXES, ROWS_REGIONS, META, META_WORDS)        # the kernel module's meta words
 
     def __init__(self, cfg, source, layer: int, *, tp_rank: int = 0, tp_size: int = 1, width: int = 1, device=None,
@@ -236,26 +228,15 @@ class KdaLayerLaunch(Launch):
     def _no_moe(self) -> None:
         """Dense FFN: the MoE arguments are placeholders the kernel never reads (MOE=False)."""
         self.moe, self.E, self.KE, self.I_E, self.nrpart, self.ks_e, self.kg = False, 1, 1, 1, 1, 1, 1
-        self.router_bw = 16
         self.act_fold = False
         self.W_r = self.bias_r = self.fn1
         self.w_gu = self.s_gu = self.w_de = self.s_de = self.W_g
 
     # ------------------------------------------------------------------ plan
-    @property
-    def gate_fold(self) -> bool:
-        """gate_fold_width above: this launch's consumers form their own gate-row slices (not in the NextN block,
-        which has no mHC)."""
-        return self.width <= self.gate_fold_width and not self.NEXTN
-
-    @property
-    def mixer_gate_fold(self) -> bool:
-        return self.gate_fold and self.MIXER_GATE_FOLD
-
     @classmethod
-    def site_names(cls, tp_size: int = 1, block_v_split: bool = False, gate_fold: bool = False) -> list[str]:
+    def site_names(cls, tp_size: int = 1, block_v_split: bool = False) -> list[str]:
         k = cls.kind
-        s = ["hp1"] + ([] if gate_fold else ["a_in"]) + ["yin"] + (["oraw"] if block_v_split else []) + ["o"]
+        s = ["hp1", "a_in", "yin"] + (["oraw"] if block_v_split else []) + ["o"]
         s += (["xo"] if tp_size > 1 else []) + ["cf1", "hp2", "a", "hg", "h", "cf2"] + (["xd"] if tp_size > 1 else [])
         return [f"{k}.{n}" for n in s]
 
@@ -268,8 +249,7 @@ class KdaLayerLaunch(Launch):
             raise ValueError(f"{self.kind}: hidden size {H} must be a multiple of block_n={self.block_n}")
         self._graph_pre(g)
         g.stage("inproj")
-        self._gemv_stage(g, "inproj", self.N_IN, self.H * 2, ("hp1",) if self.mixer_gate_fold else ("a_in",), ("yin",),
-                         "yin", k_split=self.ks_in)
+        self._gemv_stage(g, "inproj", self.N_IN, self.H * 2, ("a_in",), ("yin",), "yin", k_split=self.ks_in)
         g.stage("kda")
         slot = 0
         for r in range(W):
@@ -308,12 +288,12 @@ class KdaLayerLaunch(Launch):
         self.npart1 = self.npart2 = n_col
         self.gate_bh = min(512, H)
         g.stage("gate_in")
-        self._gate_tasks(g, "1", "hp1", "a_in", "cf1", gate_row=not self.mixer_gate_fold)
+        self._gate_tasks(g, "1", "hp1", "a_in", "cf1")
 
-    def _gate_tasks(self, g, k: str, slots: str, row: str, box: str, gate_row: bool = True) -> None:
-        """mHC k ("1" mixer, "2" FFN) after its partial slots: the gate row by (row, column tile) tasks (not with
-        gate_row=False: its consumer forms its own slices, gate_fold), and per row a coef task for hc_post's
-        coefficients (the Sinkhorn) beside them, on a CTA of its own; hc_post waits on the coef box."""
+    def _gate_tasks(self, g, k: str, slots: str, row: str, box: str) -> None:
+        """mHC k ("1" mixer, "2" FFN) after its partial slots: the gate row by (row, column tile) tasks, and
+        per row a coef task for hc_post's coefficients (the Sinkhorn) beside them, on a CTA of its own;
+        hc_post waits on the coef box."""
         n_gate, W = self.H // self.gate_bh, self.width
         for r in range(W):
             for t in range(n_gate):
@@ -439,10 +419,6 @@ class KdaLayerLaunch(Launch):
         pl.rows("dpart", (self.kg, W, H), f32)                                  # moe_down expert-group planes
         # act_fold: each CTA's moe_down joins its expert group's activations of one row here (ffn_tasks.py)
         pl.rows("act_cta", (self.grid, ((self.KE + 1) // self.kg) * self.I_E), bf)
-        # gate_fold: each CTA's router task forms its K range of the gate row here (ffn.gate_slice)
-        # and the inproj tasks their K slice (layer_host.py plan_scratch's _inproj_task), at the wider of the two
-        bw = max(self.router_bw, 1 << (self.H // self.ks_in - 1).bit_length() if self.mixer_gate_fold else 1)
-        pl.rows("xg_cta", (self.grid, W if self.gate_fold else 1, bw), bf)
 
     def _plan_boxes(self, pl: Planner) -> None:
         for b in self.META_LAYOUT[0]:
@@ -459,7 +435,6 @@ class KdaLayerLaunch(Launch):
         m[meta["site_xo"]], m[meta["site_xd"]] = sched.site_id("xo"), sched.site_id("xd")
         m[meta["npart1"]], m[meta["npart2"]], m[meta["nrpart"]] = self.npart1, self.npart2, self.nrpart
         m[meta["act_fold"]] = int(self.act_fold)
-        m[meta["gate_fold"]] = int(self.gate_fold)
         for i, b in enumerate(boxes):
             r = L["box_" + b]
             m[BOX_BASE + 4 * i: BOX_BASE + 4 * i + 4] = [r.elem_offset(), r.shape[1], self.n_box.get(b, 0),

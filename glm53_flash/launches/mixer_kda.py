@@ -50,17 +50,15 @@ def embed_gather(tokens, embed_w, x0, rows, c0, c1, H: tl.constexpr, BLOCK_C: tl
 
 @triton.jit
 def gate_row(X, part, n_parts, base, scale, ln_w, a, r, rows, c0, eps, hc_eps, hdr, cta, H: tl.constexpr,
-             ROWS_PAD: tl.constexpr, BLOCK_H: tl.constexpr, STRIDE_A: tl.constexpr, CH: tl.constexpr = 0):
+             ROWS_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
     """Gate-row tile [c0, c0 + BLOCK_H) of row r (nothing for a pad row r >= rows): join the hc_pre
-    partial slots (task order), a[r * STRIDE_A + c] = rms_norm(sum_j pre[j] X[r, j, c]) * ln_w[c]. No Sinkhorn:
-    the row needs only pre and rstd; hc_post's post / comb come from the coef task (coef_row), off this
+    partial slots (task order), a[r, c] = rms_norm(sum_j pre[j] X[r, j, c]) * ln_w[c]. No Sinkhorn: the
+    row needs only pre and rstd; hc_post's post / comb come from the coef task (coef_row), off this
     stage's critical path. The norm weight and the X tile are loaded first, so their round trip
-    overlaps the join's. CH (a divisor of BLOCK_H; 0: all of it): columns per step, for wide tiles (ffn.gate_slice),
-    whose X would not fit the registers at once; every column's operations are the same either way."""
-    C: tl.constexpr = BLOCK_H if CH == 0 else CH
+    overlaps the join's."""
     if r < rows:
         i4 = tl.arange(0, 4)
-        offs = c0 + tl.arange(0, C)
+        offs = c0 + tl.arange(0, BLOCK_H)
         m = offs < H
         lnw = tl.load(ln_w + offs, mask=m, other=0.0).to(tl.float32)
         Xr = tl.load(X + r * 4 * H + i4[:, None] * H + offs[None, :], mask=m[None, :], other=0.0, cache_modifier=".cg")
@@ -70,15 +68,7 @@ def gate_row(X, part, n_parts, base, scale, ln_w, a, r, rows, c0, eps, hc_eps, h
         pre, rstd = hc_pre_rstd(w, j, H, eps, hc_eps)
         trace_mark(hdr, cta, 2)                                      # pre and rstd
         g = tl.sum(pre[:, None] * Xr, axis=0) * rstd * lnw          # hc_gate_tile's operations, in its order
-        tl.store(a + r * STRIDE_A + offs, g.to(a.dtype.element_ty), mask=m)
-        for c in tl.static_range(C, BLOCK_H, C):
-            offs = c0 + c + tl.arange(0, C)
-            m = offs < H
-            lnw = tl.load(ln_w + offs, mask=m, other=0.0).to(tl.float32)
-            Xr = tl.load(X + r * 4 * H + i4[:, None] * H + offs[None, :], mask=m[None, :], other=0.0,
-                         cache_modifier=".cg")
-            g = tl.sum(pre[:, None] * Xr, axis=0) * rstd * lnw
-            tl.store(a + r * STRIDE_A + offs, g.to(a.dtype.element_ty), mask=m)
+        tl.store(a + r * H + offs, g.to(a.dtype.element_ty), mask=m)
         trace_mark(hdr, cta, 3)                                      # the row tile is stored
 
 

@@ -75,7 +75,6 @@ class SparseLaunch(KdaLaunch):
     META_LAYOUT = (BOXES, ROWS_REGIONS, META, META_WORDS)        # layer_host.py _meta
 
     kind = "sparse"
-    MIXER_GATE_FOLD = False       # qkv_a waits for the gate_in row (gate_fold covers the router only here)
 
     def __init__(self, cfg, source, layer: int, *, tp_rank: int = 0, tp_size: int = 1, width: int = 1, device=None,
                  grid: int | None = None, scales: Mapping | None = None, max_len: int = 4096, timeout_s: float = 1.0,

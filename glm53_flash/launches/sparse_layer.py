@@ -260,8 +260,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
             elif fam >= FFN_BASE:                          # the FFN families (launches/ffn_tasks.py)
                 ok, rdy = ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_site, scratch,
                                    meta, rows, width, tp_rank, tp_size, X_out, xd, W_g, S_g, W_u, S_u, W_d, S_d, W_r,
-                                   bias_r, w_gu, s_gu, w_de, s_de, swiglu_limit, scaling, base2, scale2, ln2, eps,
-                                   hc_eps, H, I, E, KE, I_E, E_PAD,
+                                   bias_r, w_gu, s_gu, w_de, s_de, swiglu_limit, scaling, H, I, E, KE, I_E, E_PAD,
                                    K_PAD, RENORM, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, BLOCK_E, RCK, ACT_F32,
                                    True, NEXTN, B_Z, KS_GU, KS_E, KG)
             elif fam == 21:                                # eh_in (NextN): row a0, producer a1
