@@ -72,10 +72,23 @@ def build_parser() -> argparse.ArgumentParser:
                              "embed,dense,kda,tail (default: every kind that exists)")
 
     g = sub.add_parser("generate", help="teacher-force a prompt, then greedy-decode",
-                       description="Teacher-forces the prompt through decode steps, then greedy-decodes "
-                                   "--max-new-tokens tokens.")
-    run_args(g, need_ckpt=True)
-    g.add_argument("--prompt", required=True, type=_prompt, help="comma-separated token ids, e.g. 3,17,42")
+                       description="With --checkpoint: teacher-forces the prompt through decode steps of one "
+                                   "request, then greedy-decodes --max-new-tokens tokens. With --preset and "
+                                   "--random-weights: the batched ModelRunner on random weights made in memory "
+                                   "(no files): --batch rows (row i's prompt is the prompt's ids + i), each "
+                                   "prefilled, then decoded together on the persistent launches; prints each "
+                                   "row's tokens, the time per output token (median ms per step) and tokens/s.")
+    run_args(g, need_ckpt=False)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="checkpoint directory")
+    src.add_argument("--preset", help="config preset (tiny, glm53-flash-e80, glm53-flash); needs --random-weights")
+    g.add_argument("--random-weights", action="store_true", help="with --preset: random weights (the only kind)")
+    g.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                   help="with --preset: weight format (fp8: e4m3 with 128x128 block scales, as the vendor ships)")
+    g.add_argument("--seed", type=int, default=0, help="with --preset: the random weights' seed")
+    g.add_argument("--batch", type=int, default=1, help="with --preset: rows decoded together (default 1)")
+    g.add_argument("--prompt", type=_prompt, default=_prompt("3,17,42"),
+                   help="comma-separated token ids (default 3,17,42)")
     g.add_argument("--max-new-tokens", type=int, required=True, help="number of tokens to generate")
     g.add_argument("--json", action="store_true",
                    help='print one line {"tokens": [...], "last_logits_top5": [[id, logit], ...]}')
@@ -161,7 +174,68 @@ def _mono_check(runner):
     return checker
 
 
+def _generate_batched(a) -> int:
+    """generate --preset P --random-weights: ModelRunner over --batch slots (issue 13)."""
+    import statistics
+
+    import torch
+
+    from .model_runner import ModelRunner
+    from sync import HandoffTimeout
+    if not a.random_weights:
+        raise ValueError("--preset needs --random-weights (presets have no weights on disk; or pass --checkpoint)")
+    if a.path != "auto" or a.kernels is not None:
+        raise ValueError("--preset runs every launch kind as a kernel (ModelRunner): drop --path / --kernels")
+    if not 1 <= a.batch:
+        raise ValueError(f"--batch {a.batch}: must be >= 1")
+    if a.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {a.max_new_tokens}: must be >= 1")
+    B = a.batch
+    r = ModelRunner.from_preset(a.preset, weight_format=a.weights, seed=a.seed, device=a.device, max_slots=B,
+                                max_len=a.max_len, log=lambda m: print(m, file=sys.stderr))
+    V = r.cfg.vocab_size
+    if len(a.prompt) + a.max_new_tokens > a.max_len:
+        raise ValueError(f"prompt ({len(a.prompt)}) + max-new-tokens ({a.max_new_tokens}) exceeds --max-len {a.max_len}")
+    nxt, toks = [], [[] for _ in range(B)]
+    for i in range(B):
+        lg = r.prefill(i, [(t + i) % V for t in a.prompt])
+        nxt.append(int(torch.argmax(lg)))
+    for i in range(B):
+        toks[i].append(nxt[i])
+    slots = torch.arange(B, dtype=torch.int32)
+    fault, times = a.inject_fault, []
+    while len(toks[0]) < a.max_new_tokens:
+        ids = torch.tensor([t[-1] for t in toks], dtype=torch.int64)
+        pos = torch.tensor([r.length(i) for i in range(B)], dtype=torch.int64)
+        t0 = time.perf_counter()
+        try:
+            lg = r.decode(ids, pos, slots, inject_fault=fault)
+        except HandoffTimeout as e:                 # the step rolled back: report it and run it again
+            print(f"HandoffTimeout: {e} {' '.join(getattr(e, '__notes__', []))} -- step retried", file=sys.stderr)
+            lg = r.decode(ids, pos, slots)
+        fault = None
+        if a.device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        for i, t in enumerate(lg.argmax(-1).tolist()):
+            toks[i].append(int(t))
+    for i, t in enumerate(toks):
+        print(f"row {i}: {','.join(map(str, t))}")
+    if times:
+        tpot = statistics.median(times)
+        print(f"TPOT {tpot * 1e3:.2f} ms (median of {len(times)} steps), {B / tpot:.1f} tokens/s, batch {B}, "
+              f"{a.preset} {a.weights} on {a.device}")
+    if a.json:
+        print(json.dumps({"tokens": toks, "tpot_ms": statistics.median(times) * 1e3 if times else None}))
+    return 0
+
+
 def cmd_generate(a) -> int:
+    if a.preset is not None:
+        return _generate_batched(a)
+    for flag, v in (("--random-weights", a.random_weights), ("--batch", a.batch != 1)):
+        if v:
+            raise ValueError(f"{flag} goes with --preset (a checkpoint run decodes one request)")
     from .runner import Runner
     r = Runner(a.checkpoint, device=a.device, path=a.path, max_len=a.max_len, kinds=a.kernels)
     checker = _mono_check(r)

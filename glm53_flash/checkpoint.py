@@ -426,6 +426,11 @@ class _Dequantized(Mapping):
         return len(self.weights)
 
 
+def dequantized_view(weights: Mapping, scales: Mapping, dtype: torch.dtype = torch.float32) -> Mapping:
+    """weights with every tensor that has a scale (FP8) dequantized to dtype on access; the rest as stored."""
+    return _Dequantized(weights, scales, dtype)
+
+
 @dataclass
 class Checkpoint:
     """One TP rank's view of a checkpoint directory (see load_checkpoint). At tp_size=1 `weights` (or

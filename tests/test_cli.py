@@ -156,3 +156,22 @@ def test_sites_into_a_closed_pipe_exits_quietly():
     p.stdout.close()                                 # the reader is gone before the first line
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_generate_batched_on_a_preset(capsys):
+    """generate --preset tiny --random-weights (ModelRunner, no files): each row's tokens, the TPOT line, and
+    the same first decoded step for row 0 as ModelRunner gives it; the flags that go with --checkpoint or with
+    --preset are refused on the other form."""
+    rc = main(["generate", "--preset", "tiny", "--random-weights", "--batch", "2", "--max-new-tokens", "2",
+               "--json"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    lines = cap.out.strip().splitlines()
+    assert lines[0].startswith("row 0: ") and lines[1].startswith("row 1: ") and lines[2].startswith("TPOT ")
+    out = json.loads(lines[-1])
+    assert len(out["tokens"]) == 2 and all(len(t) == 2 for t in out["tokens"]) and out["tpot_ms"] > 0
+    assert main(["generate", "--preset", "tiny", "--max-new-tokens", "2"]) == 2
+    assert "--preset needs --random-weights" in capsys.readouterr().err
+    assert main(["generate", "--preset", "tiny", "--random-weights", "--path", "reference",
+                 "--max-new-tokens", "2"]) == 2
+    assert "drop --path" in capsys.readouterr().err

@@ -1,0 +1,309 @@
+"""ModelRunner: batched decode over request slots on the persistent launches (issue 13; host code).
+
+    runner = ModelRunner.from_preset("tiny", weight_format="bf16", device="cpu", max_slots=8, max_len=256)
+    runner = ModelRunner.from_pretrained(checkpoint_dir, device="cuda", max_slots=8, max_len=4096)
+    runner.prefill(slot, token_ids)                     # the reference's batched prefill (decode-first runner)
+    logits = runner.decode(input_ids[B] int64, positions[B] int64, slots[B] int32)   # -> [B, V] fp32
+    runner.release(slot)
+
+Conventions (SGLang / vLLM style): a slot is one request's cache row; `positions[i]` must be slot
+`slots[i]`'s next position (its length); greedy ids are `logits.argmax(-1)` (lowest index on ties).
+
+Decode: B <= the widest built width runs the persistent launches built for the smallest width >= B
+(embed, every dense / kda / sparse layer, the tail; widths 1/2/4/8 by default): rows B..width-1 of a
+build are pad rows, which compute and write nothing. Wider batches take the fallback path, the torch
+reference's decode step (the same math, not the launches). A row's logits are bitwise the same whatever
+the batch (the launches are batch invariant, DESIGN.md §7) and run to run.
+
+All-or-nothing steps: every launch of the step is checked; a fault raises the launch's HandoffTimeout
+(its wait site named, a note saying which layer) and leaves every slot's caches exactly as before the
+step: the KDA layers' new states are committed only once every launch of the step is clean, and the DSA
+cache rows a step writes (latent row pos, ring row pos % kpool, pool key pos // kpool) are restored from a
+copy taken before the step. Bad input raises ValueError before any launch, caches untouched.
+
+Not yet (issue 13): CUDA graphs per width (the launches run eagerly here, from the host), TP > 1, the
+MTP block, one weight copy shared by the widths' builds (each width's launches hold their own).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .config import GlmConfig, preset
+from .reference.model import ReferenceModel
+from .weights import LM_HEAD, PREFIX, Fp8Weights, RandomWeights
+
+WIDTHS = (1, 2, 4, 8)
+LAYER_KINDS = ("embed", "dense", "kda", "sparse")
+
+
+class ModelRunner:
+    """Decode-first runner over `max_slots` request slots of one TP rank (TP 1 for now)."""
+
+    def __init__(self, cfg: GlmConfig, source, scales=None, *, reference_weights=None, tp_size: int = 1,
+                 tp_rank: int = 0, device="cuda", max_slots: int = 8, max_len: int = 4096, widths=WIDTHS,
+                 eager: bool = True, log=print, progress: bool = True):
+        if tp_size != 1 or tp_rank != 0:
+            raise ValueError(f"tp_size={tp_size}, tp_rank={tp_rank}: the runner drives TP 1 only so far "
+                             f"(TP > 1 runs in loopback in time_layers.py)")
+        if not eager:
+            raise ValueError("eager=False (CUDA graphs per width) is not built yet: pass eager=True")
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but CUDA is not available on this machine")
+        for name, v in (("max_slots", max_slots), ("max_len", max_len)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name}={v!r}: must be a positive integer")
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_len={max_len} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+        if widths is WIDTHS:                    # the default: no build wider than max_slots rows can fill
+            cap = next((x for x in WIDTHS if x >= max_slots), WIDTHS[-1])
+            widths = tuple(w for w in WIDTHS if w <= cap)
+        widths = tuple(sorted(set(widths)))
+        if not widths or any(w not in WIDTHS for w in widths):
+            raise ValueError(f"widths={widths}: each must be one of {WIDTHS}")
+        self.cfg, self.device, self.max_slots, self.max_len, self.widths = cfg, dev, max_slots, max_len, widths
+        self.log = log
+        self.ref = ReferenceModel(cfg, reference_weights if reference_weights is not None else source, device=dev)
+        self.caches = self.ref.new_caches(max_slots, max_len)
+        self.active = [False] * max_slots
+        self._kda_index = {li: j for j, li in enumerate(cfg.kda_layers)}
+        self._dsa_index = {li: d for d, li in enumerate(cfg.dsa_layers)}
+        self.builds: dict[int, dict] = {}
+        t0 = time.perf_counter()
+        self._build(source, scales, progress)
+        log(f"ModelRunner: {cfg.num_hidden_layers} layers x widths {list(widths)} built on {dev} in "
+            f"{time.perf_counter() - t0:.1f} s")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, path, tp_size: int = 1, tp_rank: int = 0, device="cuda", **kw) -> "ModelRunner":
+        """A checkpoint directory (bf16 or FP8, checkpoint.py) for TP rank tp_rank of tp_size."""
+        from .checkpoint import load_checkpoint
+        if tp_size != 1 or tp_rank != 0:
+            raise ValueError(f"tp_size={tp_size}, tp_rank={tp_rank}: the runner drives TP 1 only so far")
+        ck = load_checkpoint(path, tp_rank, tp_size, progress=kw.get("progress", True))
+        return cls(ck.config, ck, reference_weights=ck.dequantized(), tp_size=tp_size, tp_rank=tp_rank,
+                   device=device, **kw)
+
+    @classmethod
+    def from_preset(cls, name: str, weights: str = "random", weight_format: str = "bf16", seed: int = 0,
+                    **kw) -> "ModelRunner":
+        """Random weights of a config preset (weights.RandomWeights, seed), no files: bf16, or FP8 (the vendor's
+        e4m3 with 128x128 block scales: weights.Fp8Weights; the reference then runs the dequantized values)."""
+        if weights != "random":
+            raise ValueError(f"weights={weights!r}: from_preset makes random weights only (weights='random')")
+        if weight_format not in ("bf16", "fp8"):
+            raise ValueError(f"weight_format={weight_format!r}: 'bf16' or 'fp8'")
+        cfg = preset(name)
+        src = RandomWeights(cfg, seed=seed, cache=True)
+        if weight_format == "bf16":
+            return cls(cfg, src, **kw)
+        from .checkpoint import dequantized_view
+        q = Fp8Weights(src, cfg)
+        return cls(cfg, q, q.scales, reference_weights=dequantized_view(q, q.scales), **kw)
+
+    def _build(self, source, scales, progress: bool) -> None:
+        from tqdm import tqdm
+
+        from .launches import build_launch
+        from .launches.tail import TailLaunch
+        from .launches import _launch_class
+        is_ck = hasattr(source, "weights") and hasattr(source, "tp_size")      # a loaded Checkpoint (rank view)
+        w_map = source.weights if is_ck else source
+        lm_head = w_map[LM_HEAD].to(self.device, torch.bfloat16).contiguous()
+        norm_w = w_map[PREFIX + "norm.weight"].to(self.device, torch.bfloat16).contiguous()
+        total = len(self.widths) * (self.cfg.num_hidden_layers + 1)
+        bar = tqdm(total=total, desc="building launches", disable=not progress)
+        for w in self.widths:
+            layers = {}
+            for p in self.cfg.layers:
+                if p.launch not in LAYER_KINDS:
+                    raise ValueError(f"layer {p.index}: launch kind {p.launch!r} has no persistent launch")
+                kw = dict(max_len=self.max_len) if p.launch == "sparse" else {}
+                if is_ck:
+                    layers[p.index] = build_launch(p.launch, source, device=self.device, width=w, layer=p.index, **kw)
+                else:
+                    layers[p.index] = _launch_class(p.launch)(self.cfg, source, p.index, tp_rank=0, tp_size=1, width=w,
+                                                              device=self.device, scales=scales, **kw)
+                bar.update(1)
+            tail = TailLaunch(self.cfg, lm_head, norm_w, width=w, device=self.device)
+            bar.update(1)
+            self.builds[w] = {"layers": layers, "tail": tail}
+        bar.close()
+
+    # ------------------------------------------------------------------ slots
+    def prefill(self, slot: int, token_ids) -> torch.Tensor:
+        """The prompt of an empty slot, all at once (the reference's batched path) -> its last position's
+        logits [V] fp32. The slot is then active at position len(token_ids)."""
+        self._check_slot_id(slot)
+        if self.active[slot]:
+            raise ValueError(f"slot={slot} is active; release it before a new prefill")
+        ids = torch.as_tensor(token_ids)
+        if ids.dim() != 1 or ids.numel() == 0 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"token_ids: a non-empty 1-D int64 / int32 sequence, got {tuple(ids.shape)} {ids.dtype}")
+        V = self.cfg.vocab_size
+        if bool((ids < 0).any()) or bool((ids >= V).any()):
+            raise ValueError(f"token_ids {ids.tolist()[:8]}: ids outside [0, vocab_size={V})")
+        if ids.numel() >= self.max_len:
+            raise ValueError(f"token_ids: {ids.numel()} tokens leave no room to decode (max_len={self.max_len})")
+        out = self.ref.prefill(ids.to(self.device, torch.int64), self.caches, slot)
+        self.active[slot] = True
+        return out.logits[-1].float()
+
+    def release(self, slot: int) -> None:
+        """Free a slot (its caches zeroed, length 0)."""
+        self._check_slot_id(slot)
+        if not self.active[slot]:
+            raise ValueError(f"slot={slot} is not active")
+        self.caches.reset(slot)
+        self.active[slot] = False
+
+    def length(self, slot: int) -> int:
+        self._check_slot_id(slot)
+        return int(self.caches.lengths[slot])
+
+    def _check_slot_id(self, slot) -> None:
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot={slot!r}: outside [0, max_slots={self.max_slots})")
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, input_ids, positions, slots, *, inject_fault: str | None = None) -> torch.Tensor:
+        """One token for each of B rows -> logits [B, V] fp32. input_ids / positions int64 [B], slots int32 [B]
+        (CPU or this runner's device). inject_fault "KIND:SITE" (or KIND:N, the site's number): the first launch
+        of that kind in this step skips that publish (tests; the step then raises HandoffTimeout)."""
+        ids, pos, sl = self._check_decode(input_ids, positions, slots)
+        fault = self._parse_fault(inject_fault)
+        B = ids.shape[0]
+        w = next((w for w in self.widths if w >= B), None)
+        if w is None:                                              # fallback: the reference's decode step
+            if fault is not None:
+                raise ValueError(f"inject_fault: {B} rows run the fallback path, which has no launches")
+            out = self.ref.decode_step(self.caches, ids, pos, sl)
+            return out.logits.float()
+        return self._decode_launches(self.builds[w], ids, pos, sl, fault)
+
+    def _decode_launches(self, build, ids, pos, sl, fault) -> torch.Tensor:
+        from sync import HandoffTimeout
+        c = self.caches
+        B = ids.shape[0]
+        saved = self._save_dsa_rows(sl, pos)
+        pending = []                                               # (launch, KDA index j, state copy, window copy)
+        X = None
+        layer = None
+        try:
+            for p in self.cfg.layers:
+                layer = p
+                L = build["layers"][p.index]
+                site = self._take_fault(fault, p.launch)
+                if p.launch == "sparse":
+                    d = self._dsa_index[p.index]
+                    X = L.run(X, c.latent[:, d], c.pool_keys[:, d], c.tail_rows[:, d], pos, sl, inject_fault=site)
+                else:
+                    j = self._kda_index[p.index]
+                    S = c.kda_state[sl, j]                         # copies (advanced indexing): committed below
+                    W = c.conv_window[sl, j]
+                    X = L.run(ids if p.launch == "embed" else X, S, W, inject_fault=site, commit=False)
+                    pending.append((L, j))
+            layer = None
+            site = self._take_fault(fault, "tail")
+            logits, _ = build["tail"].run(X, inject_fault=site)
+        except HandoffTimeout as e:
+            self._restore_dsa_rows(saved)
+            where = f"layer {layer.index} ({layer.launch} launch)" if layer is not None else "the tail launch"
+            e.add_note(f"ModelRunner.decode: {where} of a {B}-row step; every slot's caches are as before the step")
+            raise
+        for L, j in pending:                                       # every launch was clean: commit the step
+            c.kda_state[sl, j] = L.S_out[:B]
+            c.conv_window[sl, j] = L.W_out[:B]
+        c.lengths[sl] += 1
+        return logits.float()
+
+    def _save_dsa_rows(self, sl, pos) -> list:
+        """Copies of the DSA cache rows this step may write, for every row's slot (see the module note)."""
+        c, kp = self.caches, self.cfg.index_kpool
+        out = []
+        for s, p in zip(sl.tolist(), pos.tolist()):
+            out.append((s, p, c.latent[s, :, p].clone(), c.pool_keys[s, :, p // kp].clone(),
+                        c.tail_rows[s, :, p % kp].clone()))
+        return out
+
+    def _restore_dsa_rows(self, saved) -> None:
+        c, kp = self.caches, self.cfg.index_kpool
+        for s, p, lat, pk, tr in saved:
+            c.latent[s, :, p] = lat
+            c.pool_keys[s, :, p // kp] = pk
+            c.tail_rows[s, :, p % kp] = tr
+
+    # ------------------------------------------------------------------ input checks (before any launch)
+    def _as_ids(self, name, t, dtype, B=None) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: a torch.Tensor of {str(dtype)[6:]}, got {type(t).__name__}")
+        if t.dtype != dtype:
+            raise ValueError(f"{name}: dtype {str(t.dtype)[6:]}, expected {str(dtype)[6:]}")
+        if t.dim() != 1 or (B is not None and t.shape[0] != B):
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected [{'B' if B is None else B}]")
+        if t.device.type not in ("cpu", self.device.type):
+            raise ValueError(f"{name}: on {t.device}, expected cpu or {self.device}")
+        return t.cpu()
+
+    def _check_decode(self, input_ids, positions, slots):
+        ids = self._as_ids("input_ids", input_ids, torch.int64)
+        B = ids.shape[0]
+        if B == 0:
+            raise ValueError("input_ids: empty batch (B = 0)")
+        pos = self._as_ids("positions", positions, torch.int64, B)
+        sl = self._as_ids("slots", slots, torch.int32, B)
+        V = self.cfg.vocab_size
+        bad = [int(t) for t in ids if not 0 <= int(t) < V]
+        if bad:
+            raise ValueError(f"input_ids {bad[:8]}: outside [0, vocab_size={V})")
+        s_list = sl.tolist()
+        for s in s_list:
+            if not 0 <= s < self.max_slots:
+                raise ValueError(f"slots: {s} outside [0, max_slots={self.max_slots})")
+            if not self.active[s]:
+                raise ValueError(f"slots: slot {s} is not active (prefill it first; released slots stay free)")
+        if len(set(s_list)) != B:
+            raise ValueError(f"slots {s_list}: a slot appears twice in one step")
+        for i, (p, s) in enumerate(zip(pos.tolist(), s_list)):
+            if p < 0:
+                raise ValueError(f"positions[{i}]={p}: negative")
+            if p >= self.max_len:
+                raise ValueError(f"positions[{i}]={p}: >= max_len={self.max_len}")
+            n = int(self.caches.lengths[s])
+            if p != n:
+                raise ValueError(f"positions[{i}]={p}: slot {s} holds {n} tokens, so its next position is {n}")
+        dev = self.device
+        return ids.to(dev), pos.to(dev), sl.to(torch.int64).to(dev)
+
+    def _parse_fault(self, spec):
+        if spec is None:
+            return None
+        from .runner import parse_fault
+        kind, site = parse_fault(spec)
+        names = self._sites(kind)
+        if site.isdigit():
+            if int(site) >= len(names):
+                raise ValueError(f"inject_fault {spec!r}: {kind} has {len(names)} wait sites (0-{len(names) - 1})")
+            site = names[int(site)]
+        if site not in names:
+            raise ValueError(f"inject_fault {spec!r}: {kind} has no wait site {site!r}; sites: {names}")
+        return [kind, site]                                       # a list: used up by its first launch
+
+    def _sites(self, kind: str) -> list[str]:
+        b = self.builds[self.widths[0]]
+        if kind == "tail":
+            return list(b["tail"].sites)
+        for L in b["layers"].values():
+            if L.kind == kind:
+                return list(L.sites)
+        raise ValueError(f"inject_fault: no {kind!r} launch in this model")
+
+    @staticmethod
+    def _take_fault(fault, kind):
+        if fault is not None and fault[0] == kind and fault[1] is not None:
+            site, fault[1] = fault[1], None
+            return site
+        return None

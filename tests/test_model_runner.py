@@ -1,0 +1,123 @@
+"""ModelRunner (glm53_flash/model_runner.py) on the tiny preset under the interpreter, eager: batched decode
+over slots against the reference, batch invariance (a row alone vs in a batch: the same bits), every bad
+input refused with the caches untouched, a fault mid-step rolled back and the next step clean, the
+fallback path wider than the widest build, release and a new prefill."""
+import pytest
+import torch
+
+from glm53_flash.model_runner import ModelRunner
+from sync import HandoffTimeout
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def snapshot(r):
+    return {k: v.clone() for k, v in r.caches.tensors().items()}
+
+
+def same_caches(r, snap) -> bool:
+    return all(torch.equal(v, snap[k]) for k, v in r.caches.tensors().items())
+
+
+@pytest.fixture
+def runner(one_thread):
+    r = ModelRunner.from_preset("tiny", device="cpu", max_slots=4, max_len=64, widths=(1, 2), progress=False,
+                                log=lambda *_: None)
+    r.prefill(0, [3, 17, 42])
+    r.prefill(2, [5, 6])
+    return r
+
+
+def ids(*v, dtype=torch.int64):
+    return torch.tensor(v, dtype=dtype)
+
+
+def test_decode_matches_reference_and_rows_are_batch_invariant(runner):
+    r = runner
+    snap = r.caches.clone()
+    pos = ids(r.length(0), r.length(2))
+    toks = ids(7, 9)
+    out = r.decode(toks, pos, ids(0, 2, dtype=torch.int32))
+    assert out.shape == (2, r.cfg.vocab_size) and out.dtype == torch.float32 and torch.isfinite(out).all()
+    want = r.ref.decode_step(snap.clone(), toks, pos, ids(0, 2)).logits
+    assert rel(out, want) < 2e-2, rel(out, want)
+    assert r.length(0) == int(pos[0]) + 1 and r.length(2) == int(pos[1]) + 1
+    # the same rows one at a time (width 1 builds) from the caches before the step: the same bits
+    after = r.caches
+    r.caches = snap.clone()
+    a = r.decode(toks[:1], pos[:1], ids(0, dtype=torch.int32))
+    b = r.decode(toks[1:], pos[1:], ids(2, dtype=torch.int32))
+    assert torch.equal(a[0], out[0]) and torch.equal(b[0], out[1])
+    assert all(torch.equal(x, y) for x, y in zip(r.caches.tensors().values(), after.tensors().values()))
+    r.caches = after
+
+
+def test_bad_inputs_leave_caches_untouched(runner):
+    r = runner
+    snap = snapshot(r)
+    s2 = ids(0, 2, dtype=torch.int32)
+    cases = [
+        ((ids(7, 9), ids(3, 2), ids(0, 2)), "slots: dtype int64, expected int32"),
+        ((ids(7, 9, dtype=torch.int32), ids(3, 2), s2), "input_ids: dtype int32, expected int64"),
+        ((ids(7, r.cfg.vocab_size), ids(3, 2), s2), "outside \\[0, vocab_size"),
+        ((ids(7, -1), ids(3, 2), s2), "outside \\[0, vocab_size"),
+        ((ids(7, 9), ids(3, -1), s2), "negative"),
+        ((ids(7, 9), ids(3, 64), s2), ">= max_len"),
+        ((ids(7, 9), ids(4, 2), s2), "next position is 3"),
+        ((ids(7, 9), ids(3, 2), ids(0, 1, dtype=torch.int32)), "slot 1 is not active"),
+        ((ids(7, 9), ids(3, 2), ids(0, 7, dtype=torch.int32)), "outside \\[0, max_slots"),
+        ((ids(7, 9), ids(3, 3), ids(0, 0, dtype=torch.int32)), "appears twice"),
+        ((ids(), ids(), ids(dtype=torch.int32)), "empty batch"),
+        ((ids(7, 9), ids(3), s2), "positions: shape"),
+        ((ids(7, 9).reshape(2, 1), ids(3, 2), s2), "input_ids: shape"),
+        (([7, 9], ids(3, 2), s2), "a torch.Tensor"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            r.decode(*args)
+        assert same_caches(r, snap), msg
+    with pytest.raises(ValueError, match="no wait site"):
+        r.decode(ids(7, 9), ids(3, 2), s2, inject_fault="kda:kda.nope")
+    with pytest.raises(ValueError, match="is active"):
+        r.prefill(0, [1, 2])
+    with pytest.raises(ValueError, match="outside \\[0, vocab_size"):
+        r.prefill(1, [1, r.cfg.vocab_size])
+    assert same_caches(r, snap)
+
+
+def test_fault_mid_step_rolls_back_and_the_next_step_is_clean(runner):
+    r = runner
+    args = (ids(7, 9), ids(3, 2), ids(0, 2, dtype=torch.int32))
+    snap = snapshot(r)
+    clean = r.caches.clone()
+    for spec in ("kda:kda.xe", "tail:0"):     # kda: its first launch follows the first sparse one, whose rows roll back
+        with pytest.raises(HandoffTimeout) as ei:
+            r.decode(*args, inject_fault=spec)
+        assert "every slot's caches are as before the step" in "".join(getattr(ei.value, "__notes__", []))
+        assert same_caches(r, snap), spec
+    out = r.decode(*args)
+    r2_caches, r.caches = r.caches, clean
+    want = r.decode(*args)                                   # the same step, never faulted
+    assert torch.equal(out, want)
+    assert all(torch.equal(x, y) for x, y in zip(r.caches.tensors().values(), r2_caches.tensors().values()))
+
+
+def test_fallback_wider_than_the_builds_release_and_prefill(runner):
+    r = runner
+    r.prefill(1, [8])
+    snap = r.caches.clone()
+    s3 = ids(0, 1, 2, dtype=torch.int32)
+    pos = ids(3, 1, 2)
+    out = r.decode(ids(7, 8, 9), pos, s3)                    # 3 rows > widths (1, 2): the reference's step
+    want = r.ref.decode_step(snap, ids(7, 8, 9), pos, ids(0, 1, 2)).logits
+    assert torch.equal(out, want)
+    r.release(1)
+    assert r.length(1) == 0 and not r.caches.kda_state[1].any()
+    with pytest.raises(ValueError, match="not active"):
+        r.decode(ids(4), ids(2), ids(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="not active"):
+        r.release(1)
+    r.prefill(1, [4, 4])
+    assert r.length(1) == 2
