@@ -274,6 +274,11 @@ def _signal_warp0_ptx() -> str:
         "add.u32 %gc, %gc, 32;",
         "bra SIG_TOP;",
         "SIG_OUT:",
+        # warp 0's lanes leave the loop at different times (consumers l, l + 32, ... < n_cons): they meet here,
+        # so the warp leaves the asm whole. Without it ptxas turned the exit branches into early returns of the
+        # enclosing function for some lanes, and compute-sanitizer synccheck reported divergent threads at the
+        # next CTA barrier (launch_end's). The other warps arrive here whole.
+        "bar.warp.sync -1;",
         "}"])
 
 

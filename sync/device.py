@@ -209,7 +209,7 @@ def await_pairs(ptr, mask, tag, hdr, site, cta, budget_ns):
     return (w >> 32).to(tl.int32), ok
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _box_check(block, n_prod, tag, hdr, site, cta):
     """Re-read the first n_prod words of a box block -> ok (uniform); not ok: record the first stale word.
     The interpreter's whole wait; on the GPU only after a failed spin (abort or timeout)."""
@@ -230,6 +230,11 @@ def _box_check(block, n_prod, tag, hdr, site, cta):
         seen = tl.where(nbad == 0, s, seen)
         nbad += nb
         line += 1
+    if not in_interpreter():
+        # each warp loaded the words itself (a [32] tensor is replicated per warp) and counted them within the
+        # warp, so a producer's store landing between two warps' loads gave warps different counts: the CTA's
+        # outcome (any warp saw a stale word) before it steers barriers (record_timeout) and the task loop
+        nbad = tl.max(tl.zeros([tl.extra.cuda.num_threads()], tl.int32) + nbad, axis=0)
     ok = (nbad == 0).to(tl.int32)
     if nbad != 0:
         record_timeout(hdr, tag, site, cta, tag, seen)
