@@ -21,8 +21,18 @@ step: the KDA layers' new states are committed only once every launch of the ste
 cache rows a step writes (latent row pos, ring row pos % kpool, pool key pos // kpool) are restored from a
 copy taken before the step. Bad input raises ValueError before any launch, caches untouched.
 
-Not yet (issue 13): CUDA graphs per width (the launches run eagerly here, from the host), TP > 1, the
-MTP block, one weight copy shared by the widths' builds (each width's launches hold their own).
+CUDA graphs (eager=False, the GPU): one step program per batch size B <= the widest build (a graph bakes the
+launches' row count, so B, not the width, keys it; B runs on the width-w builds, w the smallest >= B). A
+program holds static device buffers (ids, positions, slots, each KDA layer's gathered state and window, a copy
+of the DSA rows the step writes); its step graph copies the slots' states in, runs every launch (their tags
+come from the device epoch, so a replay needs no host argument) and leaves the states in the launches' output
+buffers; after the host has read every launch's error record, a second graph commits them (and the lengths),
+or the saved DSA rows are put back. All graphs are captured at construction (caches empty), with a progress
+bar and a log line of the time and the memory they took. `graph_programs=True` on the CPU runs the same
+programs without capture (the tests check them against the plain eager path).
+
+Not yet (issue 13): TP > 1, the MTP block, one weight copy shared by the widths' builds (each width's
+launches hold their own).
 """
 from __future__ import annotations
 
@@ -43,15 +53,16 @@ class ModelRunner:
 
     def __init__(self, cfg: GlmConfig, source, scales=None, *, reference_weights=None, tp_size: int = 1,
                  tp_rank: int = 0, device="cuda", max_slots: int = 8, max_len: int = 4096, widths=WIDTHS,
-                 eager: bool = True, log=print, progress: bool = True):
+                 eager: bool = True, graph_programs: bool | None = None, log=print, progress: bool = True):
         if tp_size != 1 or tp_rank != 0:
             raise ValueError(f"tp_size={tp_size}, tp_rank={tp_rank}: the runner drives TP 1 only so far "
                              f"(TP > 1 runs in loopback in time_layers.py)")
-        if not eager:
-            raise ValueError("eager=False (CUDA graphs per width) is not built yet: pass eager=True")
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available on this machine")
+        if not eager and dev.type != "cuda":
+            raise ValueError("eager=False captures CUDA graphs: it needs device='cuda' (graph_programs=True runs the "
+                             "same step programs uncaptured on the CPU)")
         for name, v in (("max_slots", max_slots), ("max_len", max_len)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name}={v!r}: must be a positive integer")
@@ -75,6 +86,10 @@ class ModelRunner:
         self._build(source, scales, progress)
         log(f"ModelRunner: {cfg.num_hidden_layers} layers x widths {list(widths)} built on {dev} in "
             f"{time.perf_counter() - t0:.1f} s")
+        self.capture = not eager
+        self.programs: dict[int, StepProgram] = {}
+        if not eager or graph_programs:
+            self._make_programs(progress)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -182,7 +197,28 @@ class ModelRunner:
                 raise ValueError(f"inject_fault: {B} rows run the fallback path, which has no launches")
             out = self.ref.decode_step(self.caches, ids, pos, sl)
             return out.logits.float()
+        if self.programs and fault is None:
+            return self.programs[B].step(ids, pos, sl)
         return self._decode_launches(self.builds[w], ids, pos, sl, fault)
+
+    def _make_programs(self, progress: bool) -> None:
+        from tqdm import tqdm
+        dev = self.device
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            m0 = torch.cuda.memory_allocated(dev)
+        t0 = time.perf_counter()
+        Bs = list(range(1, self.widths[-1] + 1))
+        for B in tqdm(Bs, desc="capturing step graphs" if self.capture else "step programs", disable=not progress):
+            w = next(x for x in self.widths if x >= B)
+            self.programs[B] = StepProgram(self, self.builds[w], B, self.capture)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            mem = f", {(torch.cuda.memory_allocated(dev) - m0) / 2**20:.1f} MiB"
+        else:
+            mem = ""
+        self.log(f"ModelRunner: {len(Bs)} step {'graphs captured' if self.capture else 'programs made'} (B = 1.."
+                 f"{Bs[-1]}) in {time.perf_counter() - t0:.1f} s{mem}")
 
     def _decode_launches(self, build, ids, pos, sl, fault) -> torch.Tensor:
         from sync import HandoffTimeout
@@ -307,3 +343,132 @@ class ModelRunner:
             site, fault[1] = fault[1], None
             return site
         return None
+
+
+class StepProgram:
+    """One decode step of B rows on one width's builds as device work over static buffers (see the module
+    note): `step_body` (captured as the step graph), then the host's check of every launch, then `commit_body`
+    (the commit graph) or `restore` (eager, on a fault)."""
+
+    def __init__(self, runner: ModelRunner, build: dict, B: int, capture: bool):
+        self.r, self.build, self.B, self.capture = runner, build, B, capture
+        cfg, c, dev = runner.cfg, runner.caches, runner.device
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.ids, self.pos = torch.zeros(B, **i64), torch.zeros(B, **i64)
+        self.slots = torch.arange(B, **i64)                       # capture-time values: empty slots 0..B-1
+        self.layers = [(p, build["layers"][p.index]) for p in cfg.layers]
+        self.launches = [L for _, L in self.layers] + [build["tail"]]
+        nj = len(cfg.kda_layers)
+        self.S = torch.zeros((nj, B) + tuple(c.kda_state.shape[2:]), dtype=c.kda_state.dtype, device=dev)
+        self.W = torch.zeros((nj, B) + tuple(c.conv_window.shape[2:]), dtype=c.conv_window.dtype, device=dev)
+        n_att = c.latent.shape[1]
+        self.save_lat = torch.zeros((B, n_att, c.latent.shape[3]), dtype=c.latent.dtype, device=dev)
+        self.save_pk = torch.zeros((B, n_att, c.pool_keys.shape[3]), dtype=c.pool_keys.dtype, device=dev)
+        self.save_tr = torch.zeros((B, n_att, c.tail_rows.shape[3]), dtype=c.tail_rows.dtype, device=dev)
+        self._bind()
+        if capture:
+            self._capture()
+
+    def _bind(self) -> None:
+        """The launches' host-side inputs: static buffers and the previous launch's output rows (set once; a
+        graph bakes them). Positions and slots: the sparse launches' device buffers, filled in step_body."""
+        r, c, B = self.r, self.r.caches, self.B
+        X = None
+        cpu_pos = torch.zeros(B, dtype=torch.int64)
+        cpu_sl = torch.arange(B)
+        for p, L in self.layers:
+            if p.launch == "sparse":
+                d = r._dsa_index[p.index]
+                L.set_input(X, c.latent[:, d], c.pool_keys[:, d], c.tail_rows[:, d], cpu_pos, cpu_sl)
+            else:
+                j = r._kda_index[p.index]
+                if p.launch == "embed":
+                    L.set_tokens(self.ids.to(torch.int64))
+                    L.set_input(None, self.S[j], self.W[j])
+                else:
+                    L.set_input(X, self.S[j], self.W[j])
+            X = L.X_out[:B]
+        self.build["tail"].set_input(X)
+
+    def step_body(self) -> None:
+        r, c, kp = self.r, self.r.caches, self.r.cfg.index_kpool
+        sl, pos = self.slots, self.pos
+        self.save_lat.copy_(c.latent[sl, :, pos])
+        self.save_pk.copy_(c.pool_keys[sl, :, pos // kp])
+        self.save_tr.copy_(c.tail_rows[sl, :, pos % kp])
+        for p, L in self.layers:
+            if p.launch == "sparse":
+                L.positions[: self.B].copy_(pos)
+                L.slots[: self.B].copy_(sl)
+            else:
+                j = r._kda_index[p.index]
+                if p.launch == "embed":
+                    L.tokens[: self.B].copy_(self.ids)
+                self.S[j].copy_(c.kda_state[sl, j])
+                self.W[j].copy_(c.conv_window[sl, j])
+        for L in self.launches:
+            L.enqueue()
+
+    def commit_body(self) -> None:
+        r, c, B, sl = self.r, self.r.caches, self.B, self.slots
+        for p, L in self.layers:
+            if p.launch != "sparse":
+                j = r._kda_index[p.index]
+                c.kda_state[sl, j] = L.S_out[:B]
+                c.conv_window[sl, j] = L.W_out[:B]
+        c.lengths.index_add_(0, sl, torch.ones_like(sl))
+
+    def restore(self) -> None:
+        c, kp, sl, pos = self.r.caches, self.r.cfg.index_kpool, self.slots, self.pos
+        c.latent[sl, :, pos] = self.save_lat
+        c.pool_keys[sl, :, pos // kp] = self.save_pk
+        c.tail_rows[sl, :, pos % kp] = self.save_tr
+
+    def _capture(self) -> None:
+        """Warm (compiles, residency checks) on the empty slots 0..B-1 at position 0, put their rows back, then
+        capture the two graphs (nothing runs while capturing)."""
+        self.step_body()
+        torch.cuda.synchronize()
+        self.restore()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            self.commit_body_warm()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        self.g_step, self.g_commit = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.g_step):
+            self.step_body()
+        with torch.cuda.graph(self.g_commit):
+            self.commit_body()
+
+    def commit_body_warm(self) -> None:
+        """commit_body's kernels once, with no effect (the indexing kernels' first use outside a capture)."""
+        c, sl = self.r.caches, self.slots
+        c.kda_state[sl, 0] = c.kda_state[sl, 0]
+        c.conv_window[sl, 0] = c.conv_window[sl, 0]
+        c.lengths.index_add_(0, sl, torch.zeros_like(sl))
+
+    def step(self, ids, pos, sl) -> torch.Tensor:
+        from sync import HandoffTimeout
+        self.ids.copy_(ids)
+        self.pos.copy_(pos)
+        self.slots.copy_(sl)
+        if self.capture:
+            self.g_step.replay()
+        else:                      # uncaptured: the launches may have run other inputs since (eager steps)
+            self._bind()
+            self.step_body()
+        try:
+            for L in self.launches:
+                L.check()
+        except HandoffTimeout as e:
+            self.restore()
+            e.add_note(f"ModelRunner.decode: {e.launch or 'a'} launch of a {self.B}-row step (graph program); every "
+                       f"slot's caches are as before the step")
+            raise
+        if self.capture:
+            self.g_commit.replay()
+        else:
+            self.commit_body()
+        return self.build["tail"].logits[: self.B].float().clone()

@@ -121,3 +121,24 @@ def test_fallback_wider_than_the_builds_release_and_prefill(runner):
         r.release(1)
     r.prefill(1, [4, 4])
     assert r.length(1) == 2
+
+
+def test_step_programs_match_the_eager_path(one_thread):
+    """graph_programs=True (the step programs the CUDA graphs capture, run uncaptured on the CPU): the same
+    logits and caches, bit for bit, as the plain eager path, for a 2-row step on the width-2 builds and a
+    1-row step; a fault (eager path) between them changes nothing."""
+    rs = [ModelRunner.from_preset("tiny", device="cpu", max_slots=2, max_len=32, widths=(1, 2), progress=False,
+                                  log=lambda *_: None, graph_programs=g) for g in (False, True)]
+    assert not rs[0].programs and sorted(rs[1].programs) == [1, 2]
+    outs = []
+    for r in rs:
+        r.prefill(0, [3, 17])
+        r.prefill(1, [5])
+        o = [r.decode(ids(7, 9), ids(2, 1), ids(1, 0, dtype=torch.int32)[[1, 0]])]
+        with pytest.raises(HandoffTimeout):
+            r.decode(ids(4), ids(3), ids(0, dtype=torch.int32), inject_fault="tail:0")
+        o.append(r.decode(ids(4), ids(3), ids(0, dtype=torch.int32)))
+        outs.append((o, snapshot(r)))
+    (a, ca), (b, cb) = outs
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(ca[k], cb[k]) for k in ca)
