@@ -31,8 +31,10 @@ or the saved DSA rows are put back. All graphs are captured at construction (cac
 bar and a log line of the time and the memory they took. `graph_programs=True` on the CPU runs the same
 programs without capture (the tests check them against the plain eager path).
 
-Not yet (issue 13): TP > 1, the MTP block, one weight copy shared by the widths' builds (each width's
-launches hold their own).
+Memory: the widths' builds of a layer share one copy of its weights (the first build's; `share_weights`), and
+the tails share the lm_head.
+
+Not yet (issue 13): TP > 1, the MTP block.
 """
 from __future__ import annotations
 
@@ -131,6 +133,7 @@ class ModelRunner:
         norm_w = w_map[PREFIX + "norm.weight"].to(self.device, torch.bfloat16).contiguous()
         total = len(self.widths) * (self.cfg.num_hidden_layers + 1)
         bar = tqdm(total=total, desc="building launches", disable=not progress)
+        first: dict[int, object] = {}                     # layer -> its first build: the others share its weights
         for w in self.widths:
             layers = {}
             for p in self.cfg.layers:
@@ -142,6 +145,10 @@ class ModelRunner:
                 else:
                     layers[p.index] = _launch_class(p.launch)(self.cfg, source, p.index, tp_rank=0, tp_size=1, width=w,
                                                               device=self.device, scales=scales, **kw)
+                if p.index in first:
+                    layers[p.index].share_weights(first[p.index])
+                else:
+                    first[p.index] = layers[p.index]
                 bar.update(1)
             tail = TailLaunch(self.cfg, lm_head, norm_w, width=w, device=self.device)
             bar.update(1)

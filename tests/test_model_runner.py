@@ -142,3 +142,24 @@ def test_step_programs_match_the_eager_path(one_thread):
     (a, ca), (b, cb) = outs
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert all(torch.equal(ca[k], cb[k]) for k in ca)
+
+
+def test_widths_share_one_copy_of_the_weights(one_thread):
+    """Every layer's builds for the widths point at the same weight tensors (share_weights), which are the
+    weights the build would have loaded itself (bitwise), and the tails share the lm_head; a build of
+    another layer is refused."""
+    from glm53_flash.launches.kda import KdaLaunch
+    from glm53_flash.weights import RandomWeights
+    r = ModelRunner.from_preset("tiny", device="cpu", max_slots=2, max_len=32, widths=(1, 2), progress=False,
+                                log=lambda *_: None)
+    for li, L1 in r.builds[1]["layers"].items():
+        L2 = r.builds[2]["layers"][li]
+        assert L1.weight_names and L1.weight_names == L2.weight_names
+        assert all(getattr(L1, n) is getattr(L2, n) for n in L1.weight_names)
+    assert r.builds[1]["tail"].W.data_ptr() == r.builds[2]["tail"].W.data_ptr()
+    li, lj = [p.index for p in r.cfg.layers if p.launch == "kda"][:2]
+    own = KdaLaunch(r.cfg, RandomWeights(r.cfg, seed=0, cache=True), li, width=2, device="cpu")
+    shared = r.builds[2]["layers"][li]
+    assert all(torch.equal(getattr(own, n), getattr(shared, n)) for n in own.weight_names)
+    with pytest.raises(ValueError, match="same kind, layer"):
+        own.share_weights(r.builds[1]["layers"][lj])

@@ -122,7 +122,7 @@ class KdaLayerLaunch(Launch):
         self.ks_in = self.k_split_for(self.N_IN, H, 2)        # inproj K slices (shape only: same bits on any grid)
         if d % self.BV or self.BV & (self.BV - 1) or self.BV < 16:
             raise ValueError(f"{k}: block_v={self.BV} must be a power of two >= 16 dividing {d}")
-        self._load_weights(source, scales)
+        self._load_weights_recorded(source, scales)
         self._setup_xchg(xchg)
         dev, nan = self.device, float("nan")
         self.X_out = torch.full((width, 4, H), nan, device=dev)
@@ -187,6 +187,32 @@ class KdaLayerLaunch(Launch):
         self.onorm_w, self.W_o = g(a + "o_norm.weight", bf), g(a + "o_proj.weight", bf)
         self.embed_w = g(PREFIX + "embed_tokens.weight", bf) if self.embed else self.ln1
         self._load_ffn(w, sc, p)
+
+    def _load_weights_recorded(self, source, scales) -> None:
+        """_load_weights, noting which tensor attributes it set (`weight_names`: share_weights swaps them)."""
+        before = {k: id(v) for k, v in vars(self).items()}
+        self._load_weights(source, scales)
+        self.weight_names = tuple(k for k, v in vars(self).items()
+                                  if isinstance(v, torch.Tensor) and before.get(k) != id(v))
+
+    def share_weights(self, other) -> int:
+        """Use `other`'s weight tensors (a build of the same kind, layer, TP rank and format for another width)
+        instead of this build's own copies, which are dropped: the widths of a model then hold one copy of
+        its weights. -> bytes no longer held by this build."""
+        same = (other.kind, other.layer, other.tp_rank, other.tp_size, other.weight_names) == \
+            (self.kind, self.layer, self.tp_rank, self.tp_size, self.weight_names)
+        if not same:
+            raise ValueError(f"{self.kind}: share_weights needs a build of the same kind, layer, rank and weights")
+        freed = 0
+        for n in self.weight_names:
+            a, b = getattr(self, n), getattr(other, n)
+            if (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device):
+                raise ValueError(f"{self.kind}: weight {n} differs between the builds: {tuple(a.shape)} {a.dtype} "
+                                 f"vs {tuple(b.shape)} {b.dtype}")
+            if a.data_ptr() != b.data_ptr():
+                freed += a.untyped_storage().nbytes() if a.storage_offset() == 0 else 0
+            setattr(self, n, b)
+        return freed
 
     def _mat(self, w, sc, name):
         """(weight, scale) on the device: FP8 kept with its scale, anything else as bf16."""

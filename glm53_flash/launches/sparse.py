@@ -124,7 +124,7 @@ class SparseLaunch(KdaLaunch):
         sp = self.split
         if self.NHA % sp.heads_per_task or sp.tokens_per_task % sp.block_t or sp.tokens_per_task * sp.n_splits < self.WIDTH:
             raise ValueError(f"{k}: attention split {sp} does not fit {self.NHA} heads / {self.WIDTH} indices")
-        self._load_weights(source, scales)
+        self._load_weights_recorded(source, scales)
         self._setup_xchg(xchg)
         self.X_out = torch.full((width, 4, H), float("nan"), device=self.device)
         self.positions = torch.zeros(width, dtype=torch.int32, device=self.device)
