@@ -53,9 +53,13 @@ LAYER_KINDS = ("embed", "dense", "kda", "sparse")
 class ModelRunner:
     """Decode-first runner over `max_slots` request slots of one TP rank (TP 1 for now)."""
 
-    def __init__(self, cfg: GlmConfig, source, scales=None, *, reference_weights=None, tp_size: int = 1,
-                 tp_rank: int = 0, device="cuda", max_slots: int = 8, max_len: int = 4096, widths=WIDTHS,
-                 eager: bool = True, graph_programs: bool | None = None, log=print, progress: bool = True):
+    def __init__(self, cfg: GlmConfig, source, scales=None, *, reference_weights=None, reference: bool = True,
+                 tp_size: int = 1, tp_rank: int = 0, device="cuda", max_slots: int = 8, max_len: int = 4096,
+                 widths=WIDTHS, eager: bool = True, graph_programs: bool | None = None, log=print,
+                 progress: bool = True):
+        """reference=False: no torch reference model (its fp32 weights would not fit beside the launches' at real
+        shapes): prefill then runs the prompt through decode steps of one row, and there is no fallback path
+        for batches wider than the widest build."""
         if tp_size != 1 or tp_rank != 0:
             raise ValueError(f"tp_size={tp_size}, tp_rank={tp_rank}: the runner drives TP 1 only so far "
                              f"(TP > 1 runs in loopback in time_layers.py)")
@@ -78,8 +82,13 @@ class ModelRunner:
             raise ValueError(f"widths={widths}: each must be one of {WIDTHS}")
         self.cfg, self.device, self.max_slots, self.max_len, self.widths = cfg, dev, max_slots, max_len, widths
         self.log = log
-        self.ref = ReferenceModel(cfg, reference_weights if reference_weights is not None else source, device=dev)
-        self.caches = self.ref.new_caches(max_slots, max_len)
+        if reference:
+            self.ref = ReferenceModel(cfg, reference_weights if reference_weights is not None else source, device=dev)
+            self.caches = self.ref.new_caches(max_slots, max_len)
+        else:
+            from .reference.caches import DecodeCaches
+            self.ref = None
+            self.caches = DecodeCaches.allocate(cfg, max_slots, max_len, device=dev)
         self.active = [False] * max_slots
         self._kda_index = {li: j for j, li in enumerate(cfg.kda_layers)}
         self._dsa_index = {li: d for d, li in enumerate(cfg.dsa_layers)}
@@ -107,13 +116,24 @@ class ModelRunner:
     @classmethod
     def from_preset(cls, name: str, weights: str = "random", weight_format: str = "bf16", seed: int = 0,
                     **kw) -> "ModelRunner":
-        """Random weights of a config preset (weights.RandomWeights, seed), no files: bf16, or FP8 (the vendor's
-        e4m3 with 128x128 block scales: weights.Fp8Weights; the reference then runs the dequantized values)."""
+        """Random weights of a config preset, no files: bf16, or FP8 (the vendor's e4m3 with 128x128 block
+        scales). On the GPU they are made there, at the piece shapes (device_weights.RankSource: nothing
+        GB-sized on the host), and there is no reference model unless reference=True is passed (its fp32
+        copies do not fit beside a real-shape model); on the CPU they are weights.RandomWeights(cfg, seed)
+        (FP8: weights.Fp8Weights) with the reference on their (dequantized) values."""
         if weights != "random":
             raise ValueError(f"weights={weights!r}: from_preset makes random weights only (weights='random')")
         if weight_format not in ("bf16", "fp8"):
             raise ValueError(f"weight_format={weight_format!r}: 'bf16' or 'fp8'")
         cfg = preset(name)
+        if torch.device(kw.get("device", "cuda")).type == "cuda":
+            from .checkpoint import dequantized_view
+            from .device_weights import RankSource
+            torch.manual_seed(seed)
+            src = RankSource(cfg, 0, 1, weight_format, kw.get("device", "cuda"), seed=seed)
+            if kw.setdefault("reference", False):
+                kw["reference_weights"] = dequantized_view(src.weights, src.scales)
+            return cls(cfg, src, **kw)
         src = RandomWeights(cfg, seed=seed, cache=True)
         if weight_format == "bf16":
             return cls(cfg, src, **kw)
@@ -149,6 +169,8 @@ class ModelRunner:
                     layers[p.index].share_weights(first[p.index])
                 else:
                     first[p.index] = layers[p.index]
+                if hasattr(source, "release") and self.ref is None:
+                    source.release()          # the launch holds its own copies: drop the generated pieces
                 bar.update(1)
             tail = TailLaunch(self.cfg, lm_head, norm_w, width=w, device=self.device)
             bar.update(1)
@@ -170,9 +192,19 @@ class ModelRunner:
             raise ValueError(f"token_ids {ids.tolist()[:8]}: ids outside [0, vocab_size={V})")
         if ids.numel() >= self.max_len:
             raise ValueError(f"token_ids: {ids.numel()} tokens leave no room to decode (max_len={self.max_len})")
-        out = self.ref.prefill(ids.to(self.device, torch.int64), self.caches, slot)
-        self.active[slot] = True
-        return out.logits[-1].float()
+        if self.ref is not None:
+            out = self.ref.prefill(ids.to(self.device, torch.int64), self.caches, slot)
+            self.active[slot] = True
+            return out.logits[-1].float()
+        self.active[slot] = True             # no reference: the prompt as decode steps of this one row
+        try:
+            for t, tok in enumerate(ids.tolist()):
+                lg = self.decode(torch.tensor([tok]), torch.tensor([t]), torch.tensor([slot], dtype=torch.int32))
+        except Exception:
+            self.caches.reset(slot)
+            self.active[slot] = False
+            raise
+        return lg[0]
 
     def release(self, slot: int) -> None:
         """Free a slot (its caches zeroed, length 0)."""
@@ -200,6 +232,9 @@ class ModelRunner:
         B = ids.shape[0]
         w = next((w for w in self.widths if w >= B), None)
         if w is None:                                              # fallback: the reference's decode step
+            if self.ref is None:
+                raise ValueError(f"{B} rows: wider than the widest build ({self.widths[-1]}), and this runner has no "
+                                 f"reference model for the fallback path (reference=False)")
             if fault is not None:
                 raise ValueError(f"inject_fault: {B} rows run the fallback path, which has no launches")
             out = self.ref.decode_step(self.caches, ids, pos, sl)

@@ -163,3 +163,26 @@ def test_widths_share_one_copy_of_the_weights(one_thread):
     assert all(torch.equal(getattr(own, n), getattr(shared, n)) for n in own.weight_names)
     with pytest.raises(ValueError, match="same kind, layer"):
         own.share_weights(r.builds[1]["layers"][lj])
+
+
+def test_without_reference_prefill_runs_as_decode_steps(one_thread):
+    """reference=False (the real-shape mode: no fp32 reference beside the launches): prefill teacher-forces the
+    prompt through decode steps of its row, close to the reference's prefill of the same weights; a batch wider
+    than the widest build is refused (no fallback path); a built RankSource (device-made weights, duck-typed
+    checkpoint) drives the same launches."""
+    from glm53_flash.config import preset
+    from glm53_flash.device_weights import RankSource
+    from glm53_flash.weights import RandomWeights
+    cfg = preset("tiny")
+    src = RandomWeights(cfg, seed=0, cache=True)
+    kw = dict(device="cpu", max_slots=2, max_len=32, widths=(1,), progress=False, log=lambda *_: None)
+    with_ref = ModelRunner(cfg, src, **kw)
+    no_ref = ModelRunner(cfg, src, reference=False, **kw)
+    assert no_ref.ref is None
+    a, b = with_ref.prefill(0, [3, 17]), no_ref.prefill(0, [3, 17])
+    assert rel(b, a) < 2e-2 and no_ref.length(0) == 2
+    with pytest.raises(ValueError, match="no reference model"):
+        no_ref.prefill(1, [5])
+        no_ref.decode(ids(1, 2), ids(2, 1), ids(0, 1, dtype=torch.int32))
+    rs = ModelRunner(cfg, RankSource(cfg, 0, 1, "bf16", "cpu"), reference=False, **kw)
+    assert torch.isfinite(rs.prefill(1, [4])).all() and rs.length(1) == 1
