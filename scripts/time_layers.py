@@ -307,7 +307,64 @@ def ops_rms(x, w, eps):
 
 STEP_KINDS = ("embed", "dense", "kda", "sparse", "tail")
 KINDS = {"gemv": build_gemv, "tail": build_tail, "embed": None, "dense": None, "kda": None, "sparse": None,
-         "nextn": None, "step": None}
+         "nextn": None, "step": None, "model": None}
+
+
+def time_model(args, dry: bool, bw: float, card: dict) -> dict:
+    """--kind model: the whole decode step of ModelRunner (TP 1, `--rows` slots, widths = that one) as its
+    captured step graph, replayed back to back (the commit graph is not replayed, so every replay is the
+    same step: the state does not move), beside the sum of its launches' floors (layer_bytes over the launch
+    plan). The slots are prefilled with `--pos` tokens through decode steps (no reference model on the GPU).
+    With --dry-run: the tiny preset on the CPU, one step run through the same step program, untimed."""
+    import layer_bytes as lbytes
+
+    from glm53_flash.model_runner import ModelRunner
+    name = args.preset or ("tiny" if dry else "glm53-flash-e80")
+    R, P = args.rows, (min(args.pos, 2) if dry else args.pos)      # dry: each prompt token is an interpreted step
+    kw = dict(weight_format=args.weights, device="cpu" if dry else DEVICE, max_slots=R, max_len=max(64, P + 8),
+              widths=(R,), eager=dry, graph_programs=dry)
+    if dry:
+        kw["reference"] = False
+    runner = ModelRunner.from_preset(name, **kw)
+    cfg = runner.cfg
+    for s in range(R):
+        runner.prefill(s, [(7 + 3 * s + t) % cfg.vocab_size for t in range(P)])
+    ids = torch.tensor([(11 + s) % cfg.vocab_size for s in range(R)], dtype=torch.int64)
+    pos = torch.tensor([runner.length(s) for s in range(R)], dtype=torch.int64)
+    sl = torch.arange(R, dtype=torch.int32)
+    logits = runner.decode(ids, pos, sl)                            # one checked step (binds the static inputs)
+    plan = [k for k in cfg.launch_plan if k != "nextn"]
+    floor_bytes = sum(sum(lbytes.launch_bytes(k, cfg, 1, R, args.weights, pos=P).values()) for k in plan)
+    rec = dict(card, title="time_layers --kind model" + (" --dry-run" if dry else ""), preset=name, rows=R, pos=P,
+               launches=len(plan), floor_bytes=floor_bytes, floor_us=round(floor_bytes / bw * 1e6, 2),
+               logits_finite=bool(torch.isfinite(logits).all()))
+    if not dry:
+        prog = runner.programs[R]
+        prog.ids.copy_(ids.to(prog.ids.device))
+        prog.pos.copy_((pos + 1).to(prog.pos.device))               # the next step of every slot, replayed
+        prog.slots.copy_(sl.to(prog.slots.device))
+        for _ in range(3):
+            prog.g_step.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.windows):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(args.reps):
+                prog.g_step.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / args.reps)
+        for L in prog.launches:                                     # every timed launch was clean
+            L.check()
+        times.sort()
+        rec["us"] = round(times[len(times) // 2], 2)
+        rec["pct_floor"] = round(100 * rec["floor_us"] / rec["us"], 1)
+    print(f"== {rec['title']}: {name} {args.weights}, TP 1, {R} rows at position {P}, {len(plan)} launches")
+    print(f"   floor {rec['floor_us']:.1f} us ({floor_bytes / 1e9:.3f} GB at {bw / 1e12:.2f} TB/s)"
+          + (f", step graph {rec['us']:.1f} us ({rec['pct_floor']:.1f}% of floor)" if "us" in rec else ", untimed"))
+    print(json.dumps(rec, default=str))
+    return rec
 
 
 def build_kind(kind, cfg, args, device):
@@ -344,7 +401,9 @@ def main(argv=None) -> int:
                          "embed / dense / kda = the KDA layer launches (layer 0 with the token gather, a dense-MLP "
                          "layer, a MoE layer); sparse = a DSA + MoE layer; nextn = the MTP block + its draft-logits "
                          "tail; step = every kind of one decode step's launch plan (embed, 2 dense, 31 kda, "
-                         "11 sparse, tail: 46 launches) timed in turn and summed beside the sum of floors")
+                         "11 sparse, tail: 46 launches) timed in turn and summed beside the sum of floors; model = "
+                         "the whole step as ModelRunner's one captured graph (TP 1, default preset glm53-flash-e80, "
+                         "--pos prompt tokens per slot, default 16), measured, beside the sum of floors")
     ap.add_argument("--tp", type=int, choices=(1, 2, 4, 8), default=1,
                     help="tensor-parallel degree: time rank 0's shapes (heads/rows split by TP); TP > 1 runs the "
                          "launch in loopback mode (the other ranks' partial sums read as zeros)")
@@ -405,11 +464,11 @@ def main(argv=None) -> int:
         print("--dry-run covers the launch kinds, not gemv", file=sys.stderr)
         return 2
     from glm53_flash.config import preset
-    cfg = preset(args.preset or ("tiny" if dry else "glm53-flash"))
+    cfg = preset(args.preset or ("tiny" if dry else "glm53-flash-e80" if args.kind == "model" else "glm53-flash"))
     if args.experts:
         cfg = cfg.replace(n_routed_experts=args.experts)
     if args.pos is None:
-        args.pos = 4095 if cfg.max_position_embeddings > 4096 or not dry else 27
+        args.pos = 16 if args.kind == "model" else 4095 if cfg.max_position_embeddings > 4096 or not dry else 27
     cfg.check_tp(args.tp)
     device = "cpu" if dry else DEVICE
     if dry:
@@ -423,6 +482,11 @@ def main(argv=None) -> int:
     card.update({"kind": args.kind, "tp": args.tp, "rows": args.rows, "weights": args.weights,
                  "preset": args.preset or ("tiny" if dry else "glm53-flash"), "experts": cfg.n_routed_experts,
                  "read_kernels_gbps": bw_detail})
+    if args.kind == "model":
+        if args.tp != 1:
+            ap.error("--kind model runs TP 1 (ModelRunner drives one rank)")
+        time_model(args, dry, bw, card)
+        return 0
     if args.kind in ("gemv",):
         cases = build_gemv(cfg, args.tp, args.rows, args.weights, device)
         us = time_interleaved(cases, args.reps, args.windows)

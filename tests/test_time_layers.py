@@ -205,3 +205,19 @@ def test_time_matrix_cases_and_records(tmp_path, capsys):
     assert "error" in recs[1]                                     # argparse refused the unknown kind
     assert tm.main(["--kinds", "dense", "--dry-run", "--deadline", "-1"]) == 0
     assert "not started (deadline)" in capsys.readouterr().out
+
+
+def test_dry_run_model_kind():
+    """--kind model --dry-run: ModelRunner's step program on the tiny preset (2 prompt tokens through decode
+    steps, then one checked step), finite logits, and the floor = the launch plan's bytes; TP > 1 refused."""
+    import layer_bytes as lbytes
+    rec = dry("--kind", "model", "--rows", "1")
+    cfg = preset("tiny")
+    plan = [k for k in cfg.launch_plan if k != "nextn"]
+    assert rec["launches"] == len(plan) and rec["rows"] == 1 and rec["pos"] == 2 and rec["logits_finite"]
+    assert rec["floor_bytes"] == sum(sum(lbytes.launch_bytes(k, cfg, 1, 1, "bf16", pos=2).values()) for k in plan)
+    assert "us" not in rec                                         # untimed
+    p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "time_layers.py"), "--dry-run", "--kind", "model",
+                        "--tp", "2"], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT,
+                                                                                 TRITON_INTERPRET="1"))
+    assert p.returncode == 2 and "runs TP 1" in p.stderr
