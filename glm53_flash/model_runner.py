@@ -55,7 +55,7 @@ class ModelRunner:
 
     def __init__(self, cfg: GlmConfig, source, scales=None, *, reference_weights=None, reference: bool = True,
                  tp_size: int = 1, tp_rank: int = 0, device="cuda", max_slots: int = 8, max_len: int = 4096,
-                 widths=WIDTHS, eager: bool = True, graph_programs: bool | None = None, log=print,
+                 widths=WIDTHS, eager: bool | None = None, graph_programs: bool | None = None, log=print,
                  progress: bool = True):
         """reference=False: no torch reference model (its fp32 weights would not fit beside the launches' at real
         shapes): prefill then runs the prompt through decode steps of one row, and there is no fallback path
@@ -66,6 +66,8 @@ class ModelRunner:
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available on this machine")
+        if eager is None:                       # CUDA graphs on the GPU; eager=True for debugging
+            eager = dev.type != "cuda"
         if not eager and dev.type != "cuda":
             raise ValueError("eager=False captures CUDA graphs: it needs device='cuda' (graph_programs=True runs the "
                              "same step programs uncaptured on the CPU)")

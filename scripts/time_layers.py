@@ -360,6 +360,9 @@ def time_model(args, dry: bool, bw: float, card: dict) -> dict:
         times.sort()
         rec["us"] = round(times[len(times) // 2], 2)
         rec["pct_floor"] = round(100 * rec["floor_us"] / rec["us"], 1)
+    if not dry:
+        del runner
+        torch.cuda.empty_cache()
     print(f"== {rec['title']}: {name} {args.weights}, TP 1, {R} rows at position {P}, {len(plan)} launches")
     print(f"   floor {rec['floor_us']:.1f} us ({floor_bytes / 1e9:.3f} GB at {bw / 1e12:.2f} TB/s)"
           + (f", step graph {rec['us']:.1f} us ({rec['pct_floor']:.1f}% of floor)" if "us" in rec else ", untimed"))
