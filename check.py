@@ -11,9 +11,11 @@ outputs for the same inputs. Checked, each counted as one check:
 - outputs finite;
 - per-output relative error ||out - ref|| / ||ref|| against the reference within its bound, and greedy
   ids equal where both give them.
-`report()` gives "N checks, M violations" and the metrics table. Usage:
+`report()` gives "N checks, M violations" and the metrics table (per launch kind and output: relative error,
+max |diff|, cosine; the batched runner also reports the KDA layers' new states and windows). Usage:
     GLM53_MONO_CHECK=1 python -m glm53_flash generate --checkpoint DIR --prompt 3,17,42 --max-new-tokens 8
     python check.py --preset tiny --steps 4           (a random checkpoint; exit 1 on any violation)
+    python check.py --preset tiny --rows 2 --steps 3  (the batched ModelRunner over 2 slots)
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ class Metric:
     output: str
     rel_err: float
     bound: float
+    max_abs: float = float("nan")
+    cosine: float = float("nan")
 
 
 @dataclass
@@ -81,7 +85,8 @@ class MonoCheck:
         if out.shape != ref.shape:
             return
         err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-        self.metrics.append(Metric(launch, out_name, err, bound))
+        cos = float(torch.nn.functional.cosine_similarity(out.reshape(1, -1).double(), ref.reshape(1, -1).double()))
+        self.metrics.append(Metric(launch, out_name, err, bound, float((out - ref).abs().max()), cos))
         self._expect(err <= bound, f"{launch}.{out_name}: relative error {err:.2e} > {bound:.0e}")
 
     def ids(self, launch: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -95,13 +100,15 @@ class MonoCheck:
         if len(self.violations) > 20:
             lines.append(f"  ... and {len(self.violations) - 20} more")
         if self.metrics:
-            lines.append(f"  {'launch':<10} {'output':<10} {'max rel err':>12} {'mean rel err':>13} {'bound':>7} n")
+            lines.append(f"  {'launch':<10} {'output':<10} {'max rel err':>12} {'mean rel err':>13} {'max abs':>9} "
+                         f"{'min cosine':>11} {'bound':>7} n")
             groups: dict[tuple[str, str], list[Metric]] = {}
             for m in self.metrics:
                 groups.setdefault((m.launch, m.output), []).append(m)
             for (ln, on), ms in groups.items():
                 errs = [m.rel_err for m in ms]
                 lines.append(f"  {ln:<10} {on:<10} {max(errs):12.2e} {sum(errs) / len(errs):13.2e} "
+                             f"{max(m.max_abs for m in ms):9.2e} {min(m.cosine for m in ms):11.6f} "
                              f"{ms[0].bound:7.0e} {len(ms)}")
         return "\n".join(lines)
 
@@ -137,19 +144,26 @@ def main(argv=None) -> int:
     p.add_argument("--steps", "--max-new-tokens", dest="steps", type=int, default=4, help="decode steps (tokens)")
     p.add_argument("--kernels", default=None, metavar="KIND,...",
                    help="only these launch kinds run as kernels (default: every kind the runner drives)")
-    p.add_argument("--tp", type=int, default=1, help="TP degree (1: the runner has no TP / batched rows yet)")
-    p.add_argument("--rows", type=int, default=1, help="decode rows (1, as --tp)")
+    p.add_argument("--tp", type=int, default=1, help="TP degree (1 only: the runners drive one rank)")
+    p.add_argument("--rows", type=int, default=1,
+                   help="decode rows: 1 runs the one-request runner (runner.py); more run the batched ModelRunner "
+                        "(model_runner.py, eager) over that many slots, row i's prompt the prompt's ids + i")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     a = p.parse_args(argv)
-    if a.tp != 1 or a.rows != 1:
-        print("check.py: --tp / --rows other than 1 need the batched TP runner (issue 13); the runner decodes "
-              "one row at TP 1 today", file=sys.stderr)
+    if a.tp != 1:
+        print(f"check.py: --tp {a.tp}: the runners drive TP 1 only (TP > 1 runs in loopback in time_layers.py)",
+              file=sys.stderr)
+        return 2
+    if not 1 <= a.rows <= 64:
+        print(f"check.py: --rows {a.rows}: need 1..64", file=sys.stderr)
         return 2
     if a.steps < 1:
         print(f"check.py: --steps {a.steps}: need at least 1", file=sys.stderr)
         return 2
     if a.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if a.rows > 1:
+        return _check_batched(a)
     from glm53_flash.runner import Runner
     with tempfile.TemporaryDirectory(prefix="check_ckpt_") as tmp:
         ckpt = a.checkpoint
@@ -164,6 +178,39 @@ def main(argv=None) -> int:
         r.hooks.append(hook(checker))
         res = r.generate([int(t) for t in a.prompt.split(",")], a.steps)
     print("tokens:", ",".join(map(str, res.tokens)))
+    print(checker.report())
+    return 1 if checker.violations else 0
+
+
+def _check_batched(a) -> int:
+    """check.py --rows R > 1: R slots prefilled by the reference, then --steps decode steps of all R rows on the
+    ModelRunner's launches (eager), every launch checked against the reference's step of the same layer."""
+    import torch
+
+    from glm53_flash.model_runner import ModelRunner
+    if a.kernels:
+        print("check.py: --kernels goes with --rows 1 (the ModelRunner runs every launch kind)", file=__import__("sys").stderr)
+        return 2
+    kw = dict(device=a.device, max_slots=a.rows, max_len=max(64, 8 + len(a.prompt.split(",")) + a.steps),
+              eager=True, reference=True, progress=False, log=lambda *_: None)
+    if a.checkpoint:
+        r = ModelRunner.from_pretrained(a.checkpoint, **kw)
+    else:
+        r = ModelRunner.from_preset(a.preset, weight_format=a.weights, seed=a.seed, **kw)
+    V = r.cfg.vocab_size
+    prompt = [int(t) for t in a.prompt.split(",") if t.strip()]
+    nxt = [int(torch.argmax(r.prefill(i, [(t + i) % V for t in prompt]))) for i in range(a.rows)]
+    checker = MonoCheck()
+    r.hooks.append(hook(checker))
+    toks = [[t] for t in nxt]
+    slots = torch.arange(a.rows, dtype=torch.int32)
+    for _ in range(a.steps - 1):
+        ids = torch.tensor([t[-1] for t in toks], dtype=torch.int64)
+        pos = torch.tensor([r.length(i) for i in range(a.rows)], dtype=torch.int64)
+        for i, t in enumerate(r.decode(ids, pos, slots).argmax(-1).tolist()):
+            toks[i].append(int(t))
+    for i, t in enumerate(toks):
+        print(f"row {i} tokens:", ",".join(map(str, t)))
     print(checker.report())
     return 1 if checker.violations else 0
 

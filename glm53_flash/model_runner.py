@@ -99,6 +99,9 @@ class ModelRunner:
         self._build(source, scales, progress)
         log(f"ModelRunner: {cfg.num_hidden_layers} layers x widths {list(widths)} built on {dev} in "
             f"{time.perf_counter() - t0:.1f} s")
+        # after-launch hooks of the eager path: hook(kind, launch, outputs: dict, reference: dict), the reference's
+        # own step of that layer (or the tail) on the launch's input (check.py's MONO_CHECK; needs the reference)
+        self.hooks = []
         self.capture = not eager
         self.programs: dict[int, StepProgram] = {}
         if not eager or graph_programs:
@@ -241,7 +244,7 @@ class ModelRunner:
                 raise ValueError(f"inject_fault: {B} rows run the fallback path, which has no launches")
             out = self.ref.decode_step(self.caches, ids, pos, sl)
             return out.logits.float()
-        if self.programs and fault is None:
+        if self.programs and fault is None and not self.hooks:
             return self.programs[B].step(ids, pos, sl)
         return self._decode_launches(self.builds[w], ids, pos, sl, fault)
 
@@ -277,6 +280,7 @@ class ModelRunner:
                 layer = p
                 L = build["layers"][p.index]
                 site = self._take_fault(fault, p.launch)
+                X_in = X
                 if p.launch == "sparse":
                     d = self._dsa_index[p.index]
                     X = L.run(X, c.latent[:, d], c.pool_keys[:, d], c.tail_rows[:, d], pos, sl, inject_fault=site)
@@ -286,9 +290,23 @@ class ModelRunner:
                     W = c.conv_window[sl, j]
                     X = L.run(ids if p.launch == "embed" else X, S, W, inject_fault=site, commit=False)
                     pending.append((L, j))
+                if self.hooks and self.ref is not None:   # the reference's step of this layer, on the same input
+                    ref_in = self.ref.embed(ids) if p.launch == "embed" else X_in
+                    rc = c.clone()
+                    ref = self.ref.layer_step(rc, p.index, ref_in, pos, sl)
+                    outs, refs = {"X": X}, {"X": ref}
+                    if p.launch != "sparse":                  # the new KDA state and conv window too
+                        outs.update(state=L.S_out[:B], window=L.W_out[:B])
+                        refs.update(state=rc.kda_state[sl, j], window=rc.conv_window[sl, j])
+                    for hook in self.hooks:
+                        hook(p.launch, L, outs, refs)
             layer = None
             site = self._take_fault(fault, "tail")
-            logits, _ = build["tail"].run(X, inject_fault=site)
+            logits, tok = build["tail"].run(X, inject_fault=site)
+            if self.hooks and self.ref is not None:
+                ref = self.ref.tail(X)
+                for hook in self.hooks:
+                    hook("tail", build["tail"], {"logits": logits, "ids": tok}, {"logits": ref, "ids": ref.argmax(-1)})
         except HandoffTimeout as e:
             self._restore_dsa_rows(saved)
             where = f"layer {layer.index} ({layer.launch} launch)" if layer is not None else "the tail launch"

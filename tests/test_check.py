@@ -65,5 +65,19 @@ def test_command_on_a_random_checkpoint(weights, capsys):
 
 
 def test_command_bad_input(capsys):
-    assert check.main(["--tp", "2"]) == 2 and "issue 13" in capsys.readouterr().err
+    assert check.main(["--tp", "2"]) == 2 and "TP 1 only" in capsys.readouterr().err
+    assert check.main(["--rows", "0"]) == 2 and "--rows 0" in capsys.readouterr().err
+    assert check.main(["--rows", "2", "--kernels", "tail"]) == 2 and "--kernels goes with --rows 1" in \
+        capsys.readouterr().err
     assert check.main(["--steps", "0"]) == 2 and "--steps 0" in capsys.readouterr().err
+
+
+def test_command_batched_rows(capsys):
+    """`python check.py --preset tiny --rows 2 --steps 2`: the batched ModelRunner over 2 slots, every launch of
+    the decode step checked against the reference's step of the same layer (and the tail's logits and ids):
+    exit 0, 0 violations, every launch kind in the metrics table."""
+    assert check.main(["--preset", "tiny", "--rows", "2", "--steps", "2", "--prompt", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "row 1 tokens:" in out and "checks, 0 violations" in out
+    for kind in ("embed", "dense", "kda", "sparse", "tail"):
+        assert f"  {kind:<10}" in out, kind
