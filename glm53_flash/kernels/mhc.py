@@ -76,12 +76,30 @@ def _fn_cols(fn_ptr, c, c1, H, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def _mul_rn(a, b):
+    """a * b rounded on its own (mul.rn.f32: never fused into an FMA with a later add)."""
+    if in_interpreter():
+        return a * b
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
 def _accumulate(accm, accg, r, w, X, ROWS_PAD: tl.constexpr):
-    """Row r's sums of one chunk: accm[r] += fn . X ([32]), accg[r] += X X^T ([4, 4]). X [4, BLOCK_C]."""
+    """Row r's sums of one chunk: accm[r] += fn . X ([32]), accg[r] += X X^T ([4, 4]). X [4, BLOCK_C].
+
+    The Gram products are rounded before the sum (_mul_rn): in G's layout each lane holds one product of the
+    reduced axis, and ptxas fused the first butterfly step into an FMA (x_l y_l + the partner's rounded
+    product), so lanes l and l ^ 16 ended with sums rounded differently; the 32 lanes then stored G to the
+    same shared address in one instruction (its layout change), and which lane's value landed is undefined:
+    G's last bits could change run to run (compute-sanitizer racecheck's write-after-write in hc_pre_task and
+    hc_post_partial; found offline in the sm_90 SASS). Rounded products make the butterfly symmetric: every
+    lane holds the same bits. The fn . X sums have several products per thread and a plain first step."""
     offs_r = tl.arange(0, ROWS_PAD)
     xf = tl.reshape(X, [X.shape[0] * X.shape[1]])                          # [4 * BLOCK_C], m = j * BLOCK_C + t
     mix = tl.sum(w * xf[None, :], axis=1)                                  # [32]
-    G = tl.sum(X[:, None, :] * X[None, :, :], axis=2)                      # [4, 4]
+    G = tl.sum(_mul_rn(X[:, None, :], X[None, :, :]), axis=2)              # [4, 4]
     accm = tl.where(offs_r[:, None] == r, accm + mix[None, :], accm)
     accg = tl.where(offs_r[:, None, None] == r, accg + G[None, :, :], accg)
     return accm, accg
