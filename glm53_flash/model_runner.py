@@ -86,11 +86,11 @@ class ModelRunner:
         self.log = log
         if reference:
             self.ref = ReferenceModel(cfg, reference_weights if reference_weights is not None else source, device=dev)
-            self.caches = self.ref.new_caches(max_slots, max_len)
+            self._caches = self.ref.new_caches(max_slots, max_len)
         else:
             from .reference.caches import DecodeCaches
             self.ref = None
-            self.caches = DecodeCaches.allocate(cfg, max_slots, max_len, device=dev)
+            self._caches = DecodeCaches.allocate(cfg, max_slots, max_len, device=dev)
         self.active = [False] * max_slots
         self._kda_index = {li: j for j, li in enumerate(cfg.kda_layers)}
         self._dsa_index = {li: d for d, li in enumerate(cfg.dsa_layers)}
@@ -106,6 +106,21 @@ class ModelRunner:
         self.programs: dict[int, StepProgram] = {}
         if not eager or graph_programs:
             self._make_programs(progress)
+
+    @property
+    def caches(self):
+        """The slot caches (reference.caches.DecodeCaches): every slot's KDA state, conv window, DSA latent /
+        pool-key / ring rows and length."""
+        return self._caches
+
+    @caches.setter
+    def caches(self, c) -> None:
+        # the captured graphs hold the caches' addresses: a new object would be invisible to them (copy into
+        # the tensors instead). Eager runners (tests) may swap them.
+        if getattr(self, "capture", False):
+            raise ValueError("this runner's CUDA graphs hold the caches' addresses: copy into runner.caches "
+                             "tensors instead of replacing the object")
+        self._caches = c
 
     # ------------------------------------------------------------------ construction
     @classmethod
