@@ -23,6 +23,14 @@ def in_interpreter():
 
 
 @triton.jit
+def cta_any(v):
+    """1 in every thread of the CTA if any thread's v (int32) is nonzero, else 0: bar.red.or.pred, a CTA barrier and
+    the reduction in one instruction (every thread of the CTA must reach it, as a barrier)."""
+    return tl.inline_asm_elementwise("{\n.reg .pred %ap;\nsetp.ne.s32 %ap, $1, 0;\nbar.red.or.pred %ap, 0, %ap;\n"
+                                     "selp.s32 $0, 1, 0, %ap;\n}", "=r,r", [v], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def tid_x():
     """This thread's %tid.x (used only for 'one thread does X' branches)."""
     return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)

@@ -19,7 +19,7 @@ import os
 import triton
 import triton.language as tl
 
-from .asm import (clock64, fence_acq_rel, globaltimer, grid_dep_launch, grid_dep_wait, in_interpreter, ld_relaxed_u32,
+from .asm import (clock64, cta_any, fence_acq_rel, globaltimer, grid_dep_launch, grid_dep_wait, in_interpreter, ld_relaxed_u32,
                   ld_relaxed_u64, signal_warp0, spin2_lines_warp0, spin_lines_warp0, st_relaxed_u32, st_relaxed_u64)
 from .header import H_ABORT, H_DONE, H_EPOCH, H_ERR, H_LAST_TAG, H_WAIT_CLK
 
@@ -234,7 +234,7 @@ def _box_check(block, n_prod, tag, hdr, site, cta):
         # each warp loaded the words itself (a [32] tensor is replicated per warp) and counted them within the
         # warp, so a producer's store landing between two warps' loads gave warps different counts: the CTA's
         # outcome (any warp saw a stale word) before it steers barriers (record_timeout) and the task loop
-        nbad = tl.max(tl.zeros([tl.extra.cuda.num_threads()], tl.int32) + nbad, axis=0)
+        nbad = cta_any(nbad)
     ok = (nbad == 0).to(tl.int32)
     if nbad != 0:
         record_timeout(hdr, tag, site, cta, tag, seen)
