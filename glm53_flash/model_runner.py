@@ -442,6 +442,11 @@ class StepProgram:
         self.save_lat = torch.zeros((B, n_att, c.latent.shape[3]), dtype=c.latent.dtype, device=dev)
         self.save_pk = torch.zeros((B, n_att, c.pool_keys.shape[3]), dtype=c.pool_keys.dtype, device=dev)
         self.save_tr = torch.zeros((B, n_att, c.tail_rows.shape[3]), dtype=c.tail_rows.dtype, device=dev)
+        # every launch's error record, gathered into one buffer at the end of the step (one copy to the host
+        # instead of one per launch)
+        from sync import HEADER_WORDS
+        self._hdrs = [L.header.reshape(-1)[:HEADER_WORDS] for L in self.launches]
+        self._hdr_buf = torch.zeros(len(self.launches), HEADER_WORDS, dtype=self._hdrs[0].dtype, device=dev)
         self._bind()
         if capture:
             self._capture()
@@ -467,7 +472,8 @@ class StepProgram:
             X = L.X_out[:B]
         self.build["tail"].set_input(X)
 
-    def step_body(self) -> None:
+    def step_body(self, fault: tuple | None = None) -> None:
+        """fault (uncaptured runs only; tests): (launch index in self.launches, site id) skips that publish."""
         r, c, kp = self.r, self.r.caches, self.r.cfg.index_kpool
         sl, pos = self.slots, self.pos
         self.save_lat.copy_(c.latent[sl, :, pos])
@@ -483,8 +489,9 @@ class StepProgram:
                     L.tokens[: self.B].copy_(self.ids)
                 self.S[j].copy_(c.kda_state[sl, j])
                 self.W[j].copy_(c.conv_window[sl, j])
-        for L in self.launches:
-            L.enqueue()
+        for i, L in enumerate(self.launches):
+            L.enqueue(fault[1] if fault is not None and fault[0] == i else -1)
+        torch.stack(self._hdrs, out=self._hdr_buf)
 
     def commit_body(self) -> None:
         r, c, B, sl = self.r, self.r.caches, self.B, self.slots
@@ -526,8 +533,10 @@ class StepProgram:
         c.conv_window[sl, 0] = c.conv_window[sl, 0]
         c.lengths.index_add_(0, sl, torch.zeros_like(sl))
 
-    def step(self, ids, pos, sl) -> torch.Tensor:
+    def step(self, ids, pos, sl, fault: tuple | None = None) -> torch.Tensor:
         from sync import HandoffTimeout
+        if fault is not None and self.capture:
+            raise ValueError("a captured step graph takes no fault (inject_fault runs the eager path)")
         self.ids.copy_(ids)
         self.pos.copy_(pos)
         self.slots.copy_(sl)
@@ -535,10 +544,13 @@ class StepProgram:
             self.g_step.replay()
         else:                      # uncaptured: the launches may have run other inputs since (eager steps)
             self._bind()
-            self.step_body()
+            self.step_body(fault)
+        from sync import read_record
+        words = self._hdr_buf.cpu()
         try:
-            for L in self.launches:
-                L.check()
+            for i, L in enumerate(self.launches):
+                if read_record(words[i]).failed:
+                    L.check()                          # raises the launch's HandoffTimeout (its site named)
         except HandoffTimeout as e:
             self.restore()
             e.add_note(f"ModelRunner.decode: {e.launch or 'a'} launch of a {self.B}-row step (graph program); every "

@@ -142,6 +142,16 @@ def test_step_programs_match_the_eager_path(one_thread):
     (a, ca), (b, cb) = outs
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert all(torch.equal(ca[k], cb[k]) for k in ca)
+    # a fault inside a program step (its first kda launch skips a publish): the gathered records name it and the
+    # step rolls back (the DSA rows it wrote put back, nothing committed)
+    r = rs[1]
+    prog = r.programs[1]
+    k = next(i for i, L in enumerate(prog.launches) if L.kind == "kda")
+    snap = snapshot(r)
+    dev_args = (ids(4), ids(r.length(0)), ids(0))
+    with pytest.raises(HandoffTimeout, match="kda.xe"):
+        prog.step(*dev_args, fault=(k, prog.launches[k].fault_id("kda.xe")))
+    assert same_caches(r, snap)
 
 
 def test_widths_share_one_copy_of_the_weights(one_thread):
