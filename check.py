@@ -185,11 +185,13 @@ def main(argv=None) -> int:
 def _check_batched(a) -> int:
     """check.py --rows R > 1: R slots prefilled by the reference, then --steps decode steps of all R rows on the
     ModelRunner's launches (eager), every launch checked against the reference's step of the same layer."""
+    import sys
+
     import torch
 
     from glm53_flash.model_runner import ModelRunner
     if a.kernels:
-        print("check.py: --kernels goes with --rows 1 (the ModelRunner runs every launch kind)", file=__import__("sys").stderr)
+        print("check.py: --kernels goes with --rows 1 (the ModelRunner runs every launch kind)", file=sys.stderr)
         return 2
     kw = dict(device=a.device, max_slots=a.rows, max_len=max(64, 8 + len(a.prompt.split(",")) + a.steps),
               eager=True, reference=True, progress=False, log=lambda *_: None)

@@ -164,37 +164,37 @@ class ModelRunner:
     def _build(self, source, scales, progress: bool) -> None:
         from tqdm import tqdm
 
-        from .launches import build_launch
+        from .launches import _launch_class, build_launch
         from .launches.tail import TailLaunch
-        from .launches import _launch_class
         is_ck = hasattr(source, "weights") and hasattr(source, "tp_size")      # a loaded Checkpoint (rank view)
         w_map = source.weights if is_ck else source
         lm_head = w_map[LM_HEAD].to(self.device, torch.bfloat16).contiguous()
         norm_w = w_map[PREFIX + "norm.weight"].to(self.device, torch.bfloat16).contiguous()
         total = len(self.widths) * (self.cfg.num_hidden_layers + 1)
         bar = tqdm(total=total, desc="building launches", disable=not progress)
-        first: dict[int, object] = {}                     # layer -> its first build: the others share its weights
-        for w in self.widths:
-            layers = {}
-            for p in self.cfg.layers:
-                if p.launch not in LAYER_KINDS:
-                    raise ValueError(f"layer {p.index}: launch kind {p.launch!r} has no persistent launch")
-                kw = dict(max_len=self.max_len) if p.launch == "sparse" else {}
+        self.builds = {w: {"layers": {}} for w in self.widths}
+        for p in self.cfg.layers:          # a layer's widths one after another: its weights are made (or read) once
+            if p.launch not in LAYER_KINDS:
+                raise ValueError(f"layer {p.index}: launch kind {p.launch!r} has no persistent launch")
+            kw = dict(max_len=self.max_len) if p.launch == "sparse" else {}
+            first = None                    # the layer's first build: the other widths share its weights
+            for w in self.widths:
                 if is_ck:
-                    layers[p.index] = build_launch(p.launch, source, device=self.device, width=w, layer=p.index, **kw)
+                    L = build_launch(p.launch, source, device=self.device, width=w, layer=p.index, **kw)
                 else:
-                    layers[p.index] = _launch_class(p.launch)(self.cfg, source, p.index, tp_rank=0, tp_size=1, width=w,
-                                                              device=self.device, scales=scales, **kw)
-                if p.index in first:
-                    layers[p.index].share_weights(first[p.index])
+                    L = _launch_class(p.launch)(self.cfg, source, p.index, tp_rank=0, tp_size=1, width=w,
+                                                device=self.device, scales=scales, **kw)
+                if first is None:
+                    first = L
                 else:
-                    first[p.index] = layers[p.index]
-                if hasattr(source, "release") and self.ref is None:
-                    source.release()          # the launch holds its own copies: drop the generated pieces
+                    L.share_weights(first)
+                self.builds[w]["layers"][p.index] = L
                 bar.update(1)
-            tail = TailLaunch(self.cfg, lm_head, norm_w, width=w, device=self.device)
+            if hasattr(source, "release") and self.ref is None:
+                source.release()              # the launches hold their own copies: drop the generated pieces
+        for w in self.widths:
+            self.builds[w]["tail"] = TailLaunch(self.cfg, lm_head, norm_w, width=w, device=self.device)
             bar.update(1)
-            self.builds[w] = {"layers": layers, "tail": tail}
         bar.close()
 
     # ------------------------------------------------------------------ slots
@@ -373,6 +373,7 @@ class ModelRunner:
         if bad:
             raise ValueError(f"input_ids {bad[:8]}: outside [0, vocab_size={V})")
         s_list = sl.tolist()
+        lengths = self.caches.lengths.cpu()           # one copy, not one device read a row
         for s in s_list:
             if not 0 <= s < self.max_slots:
                 raise ValueError(f"slots: {s} outside [0, max_slots={self.max_slots})")
@@ -385,7 +386,7 @@ class ModelRunner:
                 raise ValueError(f"positions[{i}]={p}: negative")
             if p >= self.max_len:
                 raise ValueError(f"positions[{i}]={p}: >= max_len={self.max_len}")
-            n = int(self.caches.lengths[s])
+            n = int(lengths[s])
             if p != n:
                 raise ValueError(f"positions[{i}]={p}: slot {s} holds {n} tokens, so its next position is {n}")
         dev = self.device

@@ -195,24 +195,21 @@ class KdaLayerLaunch(Launch):
         self.weight_names = tuple(k for k, v in vars(self).items()
                                   if isinstance(v, torch.Tensor) and before.get(k) != id(v))
 
-    def share_weights(self, other) -> int:
+    def share_weights(self, other) -> None:
         """Use `other`'s weight tensors (a build of the same kind, layer, TP rank and format for another width)
         instead of this build's own copies, which are dropped: the widths of a model then hold one copy of
-        its weights. -> bytes no longer held by this build."""
+        its weights."""
         same = (other.kind, other.layer, other.tp_rank, other.tp_size, other.weight_names) == \
             (self.kind, self.layer, self.tp_rank, self.tp_size, self.weight_names)
         if not same:
             raise ValueError(f"{self.kind}: share_weights needs a build of the same kind, layer, rank and weights")
-        freed = 0
         for n in self.weight_names:
             a, b = getattr(self, n), getattr(other, n)
             if (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device):
                 raise ValueError(f"{self.kind}: weight {n} differs between the builds: {tuple(a.shape)} {a.dtype} "
                                  f"vs {tuple(b.shape)} {b.dtype}")
-            if a.data_ptr() != b.data_ptr():
-                freed += a.untyped_storage().nbytes() if a.storage_offset() == 0 else 0
-            setattr(self, n, b)
-        return freed
+        for n in self.weight_names:                 # checked all first: a refused share changes nothing
+            setattr(self, n, getattr(other, n))
 
     def _mat(self, w, sc, name):
         """(weight, scale) on the device: FP8 kept with its scale, anything else as bf16."""
