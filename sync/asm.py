@@ -15,6 +15,12 @@ Rules that every helper here follows (research/triton.md §0-§2):
 import triton
 import triton.language as tl
 
+# The polls' loads as they appear in the PTX (the tests look for them). Relaxed, with one fence.acq_rel after the
+# spin: acquire polls (ld.acquire: LDG.STRONG + CCTL.IVALL per load, no MEMBAR) measured 9-10 us slower per layer
+# launch (H200, kda / dense TP8; docs/DECISIONS.md "Acquire polls"): every poll cycle then empties the SM's L1.
+SPIN_LINE_LOAD = "ld.relaxed.gpu.global.v4.u32"     # a box spin's line loads
+PAIR_LOAD = "ld.relaxed.gpu.global.b64"             # a tagged-pair poll's loads
+
 
 @triton.constexpr_function
 def in_interpreter():
@@ -54,6 +60,17 @@ def ld_relaxed_u32(ptr):
     """Strong (L2, no stale L1) relaxed 32-bit load at gpu scope."""
     return tl.inline_asm_elementwise("ld.relaxed.gpu.global.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
                                      is_pure=False, pack=1)
+
+
+@triton.jit
+def ld_const_u32(ptr):
+    """A 32-bit word that nothing writes while the launch runs (meta words, the task table), through the
+    non-coherent read-only path (ld.global.nc). ptxas does not order such loads after fences (a wait's
+    fence.acq_rel is MEMBAR + CCTL.IVALL, which empties L1 for coherent loads), so it may issue them early;
+    pure, so the compiler may also merge repeats. Not for anything another CTA or an earlier kernel of the
+    launch's stream may still be writing."""
+    return tl.inline_asm_elementwise("ld.global.nc.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True,
+                                     pack=1)
 
 
 @triton.jit
@@ -115,7 +132,7 @@ def line_loads_ptx(w: list[str], addr: str) -> list[str]:
     """PTX: the 128-byte box line at [addr] into the 32 registers w, as 8 independent 16-byte relaxed loads
     (they pipeline; acquire loads would serialise and each invalidate L1). A vector load is not atomic as a
     whole; that is fine, every word is checked on its own (line_match_ptx)."""
-    return [f"ld.relaxed.gpu.global.v4.u32 {{{', '.join(w[4 * v: 4 * v + 4])}}}, [{addr}+{16 * v}];" for v in range(8)]
+    return [f"{SPIN_LINE_LOAD} {{{', '.join(w[4 * v: 4 * v + 4])}}}, [{addr}+{16 * v}];" for v in range(8)]
 
 
 def line_match_ptx(w: list[str], tag: str, acc: str, bit: str, pred: str) -> list[str]:

@@ -19,8 +19,9 @@ import os
 import triton
 import triton.language as tl
 
-from .asm import (clock64, cta_any, fence_acq_rel, globaltimer, grid_dep_launch, grid_dep_wait, in_interpreter, ld_relaxed_u32,
-                  ld_relaxed_u64, signal_warp0, spin2_lines_warp0, spin_lines_warp0, st_relaxed_u32, st_relaxed_u64)
+from .asm import (clock64, cta_any, fence_acq_rel, globaltimer, grid_dep_launch, grid_dep_wait, in_interpreter, ld_const_u32,
+                  ld_relaxed_u32, ld_relaxed_u64, signal_warp0, spin2_lines_warp0, spin_lines_warp0, st_relaxed_u32,
+                  st_relaxed_u64)
 from .header import H_ABORT, H_DONE, H_EPOCH, H_ERR, H_LAST_TAG, H_WAIT_CLK
 
 TAG_MASK: tl.constexpr = tl.constexpr(0xFFFFFFFF)
@@ -30,6 +31,24 @@ _TRIGGER = os.environ.get("GLM53_PDL_TRIGGER", "end")
 if _TRIGGER not in ("start", "end"):
     raise ValueError(f"GLM53_PDL_TRIGGER={_TRIGGER!r} must be start or end")
 PDL_TRIGGER_END: tl.constexpr = tl.constexpr(_TRIGGER == "end")
+# launch-constant words (meta, task table) through the read-only path (const_word); GLM53_META_NC=0 reads them with
+# plain loads, for an A/B on one tree (a compile-time choice, read at import)
+META_NC: tl.constexpr = tl.constexpr(os.environ.get("GLM53_META_NC", "1") != "0")
+
+
+@triton.jit
+def const_word(ptr):
+    """A launch-constant int32 word (meta words, task-table entries, the task ranges: the host writes them before
+    the launch, nothing in it does). A wait's acquire fence (MEMBAR + CCTL.IVALL) empties L1 of coherent lines, so
+    with plain loads every meta word or table entry a task read after its CTA's previous wait was an L2 round
+    trip on the task's path (box_at's four words before each spin, the next task's entry). ld.global.nc is
+    outside what the fence orders: ptxas may issue it early, and the line may stay in L1 (sync.asm.ld_const_u32)."""
+    if in_interpreter():
+        return tl.load(ptr)
+    elif META_NC:
+        return ld_const_u32(ptr)
+    else:
+        return tl.load(ptr)
 
 
 # ---------------------------------------------------------------------- launch begin / end
@@ -183,7 +202,7 @@ def await_pairs(ptr, mask, tag, hdr, site, cta, budget_ns):
 
     -> (payload int32 tensor (bits; bitcast as needed), ok). ok=0: timed out or the launch aborted."""
     budget_ns = staggered_budget(budget_ns, site)
-    clk = tl.load(hdr + H_WAIT_CLK)                 # before the polls: its round trip overlaps theirs
+    clk = const_word(hdr + H_WAIT_CLK)                 # before the polls: its round trip overlaps theirs
     w = _load_pairs(ptr, mask)
     pend = mask & ((w & TAG_MASK).to(tl.int32) != tag)
     if not in_interpreter():
@@ -255,7 +274,7 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns)
     1.54 us for the warp-0 spin alone, 1.77 us for this wait (the 0.24 us between: not explained yet)."""
     block = box + consumer * block_words
     budget_ns = staggered_budget(budget_ns, site)
-    clk = tl.load(hdr + H_WAIT_CLK)                 # before the spin: its round trip overlaps the polls
+    clk = const_word(hdr + H_WAIT_CLK)                 # before the spin: its round trip overlaps the polls
     if in_interpreter():
         ok = _box_check(block, n_prod, tag, hdr, site, cta)
     else:
@@ -281,7 +300,7 @@ def wait_box2(box1, words1, n_prod1, site1, box2, words2, n_prod2, site2, consum
     block1 = box1 + consumer * words1
     block2 = box2 + consumer * words2
     budget_ns = staggered_budget(budget_ns, tl.minimum(site1, site2))
-    clk = tl.load(hdr + H_WAIT_CLK)
+    clk = const_word(hdr + H_WAIT_CLK)
     if in_interpreter():
         ok = _box_check(block1, n_prod1, tag, hdr, site1, cta)
         if ok != 0:
@@ -338,7 +357,7 @@ def trace_mark(hdr, cta, k: tl.constexpr):
     TRACE_MARKS (launches/trace.py splits the task's own time at its marks)."""
     if TRACE_MARKS:
         tl.debug_barrier()                          # every warp has reached this point
-        clk = tl.load(hdr + H_WAIT_CLK)
+        clk = const_word(hdr + H_WAIT_CLK)
         if clk != 0:
             tl.store((hdr + clk).to(tl.pointer_type(tl.int64), bitcast=True) + CLK_SLOTS * cta + k,
                      trace_cycles(cta))

@@ -12,6 +12,7 @@ from glm53_flash.launches.kda import KdaLaunch
 from glm53_flash.launches.layer_host import DEFAULT_MAXNREG, new_xchg, run_tp
 from glm53_flash.reference import ops
 from glm53_flash.reference.model import ReferenceModel
+from sync.asm import SPIN_LINE_LOAD
 from test_launch_dense import (TOL_BF16, check_step, fault_every_site, gpu_layer_check, make_step, poison_scratch,
                                rank_state, rel, tiny_ref)  # noqa: F401 (fixture)
 
@@ -177,7 +178,7 @@ def test_gpu_kda(tp, width, fmt):
 
 
 # ---------------------------------------------------------------------------- offline sm_90 compile
-SPIN_LOAD = "ld.relaxed.gpu.global.v4.u32"          # the box spin's line loads (sync.asm line_loads_ptx)
+SPIN_LOAD = SPIN_LINE_LOAD                          # the box spin's line loads (sync.asm line_loads_ptx)
 
 
 def real_consts(tp=1, moe=False, embed=False, fp8=False, warps=4, maxnreg=DEFAULT_MAXNREG):

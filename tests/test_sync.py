@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from sync import HandoffTimeout, SiteRegistry, read_record, timeout_ns
+from sync.asm import PAIR_LOAD, SPIN_LINE_LOAD
 from sync.device import staggered_budget
 from sync.selftest import SITES, SelfTest
 
@@ -159,7 +160,7 @@ def spin_regions_without_barrier(ptx: str) -> list[int]:
     fwd = [None] * len(blocks)
     bad = []
     for i, ln in enumerate(lines):
-        if "ld.relaxed.gpu.global.v4.u32" not in ln:
+        if SPIN_LINE_LOAD not in ln:
             continue
         b = next(n for n, (lo, hi) in enumerate(blocks) if lo <= i <= hi)
         fwd[b] = fwd[b] if fwd[b] is not None else reach(b)
@@ -171,12 +172,12 @@ def spin_regions_without_barrier(ptx: str) -> list[int]:
 
 
 def test_spin_check_catches_a_barrier():
-    ptx = ("mov.u32 %r1, %tid.x;\nbar.sync 0;\n$L__spin:\nld.relaxed.gpu.global.v4.u32 {%a,%b,%c,%d}, [%rd1];\n"
+    ptx = ("mov.u32 %r1, %tid.x;\nbar.sync 0;\n$L__spin:\n" + SPIN_LINE_LOAD + " {%a,%b,%c,%d}, [%rd1];\n"
            "bar.sync 0;\n@%p1 bra $L__spin;\nfence.acq_rel.gpu;\nbar.sync 0;")
     assert spin_regions_without_barrier(ptx) == [3]                     # the barrier inside the loop
     assert spin_regions_without_barrier(ptx.replace("bar.sync 0;\n@%p1", "add.s32 %r2, %r1, 1;\n@%p1")) == []
     # the same asm statement twice, each with its own TOP label: each loop is resolved inside its own { }
-    asm = "{\nTOP:\nld.relaxed.gpu.global.v4.u32 {%a,%b,%c,%d}, [%rd1];\n@%p1 bra TOP;\n}\n"
+    asm = "{\nTOP:\n" + SPIN_LINE_LOAD + " {%a,%b,%c,%d}, [%rd1];\n@%p1 bra TOP;\n}\n"
     assert spin_regions_without_barrier(asm + "bar.sync 0;\n" + asm) == []
     assert spin_regions_without_barrier(asm + "bar.sync 0;\n" + asm.replace("@%p1", "bar.sync 0;\n@%p1")) == [8]
 
@@ -193,8 +194,8 @@ def sm90_ptx(script: str) -> str:
 
 def test_sm90_ptx_spin_has_no_cta_barrier():
     ptx = sm90_ptx(_COMPILE)
-    assert ptx.count("ld.relaxed.gpu.global.v4.u32") >= 16         # two box waits, 8 vector loads each
-    assert "st.relaxed.gpu.global.b64" in ptx and "ld.relaxed.gpu.global.b64" in ptx
+    assert ptx.count(SPIN_LINE_LOAD) >= 16         # two box waits, 8 vector loads each
+    assert "st.relaxed.gpu.global.b64" in ptx and PAIR_LOAD in ptx
     assert "%globaltimer" in ptx
     assert spin_regions_without_barrier(ptx) == []
 

@@ -16,6 +16,7 @@ from glm53_flash.launches import available, sites
 from glm53_flash.launches.tail import TailLaunch, new_xchg, run_tp
 from glm53_flash.reference.ops import tail_logits
 from sync import HandoffTimeout
+from sync.asm import SPIN_LINE_LOAD
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4          # measured ~1e-5: xn as bf16 hi + lo rows (~16 mantissa bits), fp32 accumulation
@@ -244,7 +245,7 @@ def test_sm90_compile_and_spin_regions():
                          timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     for fp8, ptx in json.loads(out.stdout.strip().splitlines()[-1]).items():
-        assert "mma.sync" in ptx and ptx.count("ld.relaxed.gpu.global.v4.u32") == 8, fp8
+        assert "mma.sync" in ptx and ptx.count(SPIN_LINE_LOAD) == 8, fp8
         assert spin_regions_without_barrier(ptx) == [], fp8
 
 

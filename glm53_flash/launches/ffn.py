@@ -14,10 +14,12 @@ kernel's one while loop, the families' loop-invariant index tensors and pointers
 loop top and stayed live through every GEMV, and every build reached 255 registers with spills
 (launches/tail.py found the same). The waits are noinline too (spin loops with inline asm).
 """
+import os
+
 import triton
 import triton.language as tl
 
-from sync.device import signal_box, trace_mark, wait_box, wait_box2
+from sync.device import const_word, signal_box, trace_mark, wait_box, wait_box2
 
 from ..kernels.gemv import gemv_store, gemv_stream
 from ..kernels.mhc import hc_partial_finish, hc_partial_prefetch, hc_post_partial, hc_post_tile
@@ -54,7 +56,7 @@ _META, _ = meta_layout(COMMON_BOXES, COMMON_ROWS)
 @triton.jit
 def box_at(scratch, meta, b):
     m = meta + BOX_BASE + 4 * b
-    return scratch + tl.load(m), tl.load(m + 1), tl.load(m + 2), tl.load(m + 3)
+    return scratch + const_word(m), const_word(m + 1), const_word(m + 2), const_word(m + 3)
 
 
 @triton.jit(noinline=True)
@@ -99,8 +101,8 @@ def waitb2(scratch, meta, b1, b2, ready, pid, tag, hdr, timeout_ns):
 def task_entry(table, i):
     """Task i of the table (8 int32 words: family, stage, a0 .. a4, pad)."""
     t = table + i * 8
-    return (tl.load(t), tl.load(t + 1), tl.load(t + 2), tl.load(t + 3), tl.load(t + 4), tl.load(t + 5),
-            tl.load(t + 6))
+    return (const_word(t), const_word(t + 1), const_word(t + 2), const_word(t + 3), const_word(t + 4),
+            const_word(t + 5), const_word(t + 6))
 
 
 @triton.jit
@@ -116,7 +118,7 @@ def region_off(meta, m):
     shift pair says so to the alignment analysis (tl.multiple_of is lost on scalars). Without it an
     activation row's address was only known 2-byte aligned: the GEMV K loop loaded x with scalar
     synchronous loads in every step instead of 16-byte cp.async copies in the weights' pipeline."""
-    return (tl.load(meta + m) >> 4) << 4
+    return (const_word(meta + m) >> 4) << 4
 
 
 @triton.jit
@@ -238,9 +240,9 @@ def hc_pre_task(xs, fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2, tag, 
 def _hc_slots(scratch, meta, SECOND: tl.constexpr):
     """(hc_pre partial slots, their count, coefficient rows) of the mixer's mHC, or with SECOND the FFN's."""
     if SECOND:
-        return f32_at(scratch, meta, M_PART2), tl.load(meta + M_NPART2), f32_at(scratch, meta, M_COEF2)
+        return f32_at(scratch, meta, M_PART2), const_word(meta + M_NPART2), f32_at(scratch, meta, M_COEF2)
     else:
-        return f32_at(scratch, meta, M_PART1), tl.load(meta + M_NPART1), f32_at(scratch, meta, M_COEF1)
+        return f32_at(scratch, meta, M_PART1), const_word(meta + M_NPART1), f32_at(scratch, meta, M_COEF1)
 
 
 @triton.jit(noinline=True)
@@ -300,7 +302,7 @@ def oproj_task(W_o, S_o, xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_si
     l2_prefetch_rows(W_o, a0 * BLOCK_N, H, D, BLOCK_N)                  # weights before the wait
     x = act_at(scratch, meta, M_ON, ACT_F32)                            # meta words too (see waitb)
     y = f32_at(scratch, meta, M_Y1)
-    site = tl.load(meta + M_SITE_XO)
+    site = const_word(meta + M_SITE_XO)
     ok, rdy = waitb(scratch, meta, B_O, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
@@ -342,7 +344,7 @@ def post1_task(xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_size, a0, a1
         ok = 1
     if ok != 0:
         ok = _rank_sum_tiles(xo, f32_at(scratch, meta, M_Y1), a0, a1, rows, width, tp_rank, tp_size, tag, hdr,
-                             tl.load(meta + M_SITE_XO), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
+                             const_word(meta + M_SITE_XO), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
     trace_mark(hdr, pid, 1)                                          # the rank sums are stored
     if ok != 0:
         _post_mixer(xs, fn2, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, ROWS_PAD, BLOCK_N, BLOCK_C, NEXTN)
@@ -355,6 +357,6 @@ def peer_task(xchg, peer, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, 
     """Loopback (one GPU, TP > 1): rank a0's partial tiles a1 .. a1 + a2 - 1 from peer into xchg."""
     j = 0
     while j < a2:
-        peer_publish(xchg, peer, a0, (a1 + j) * BLOCK_N, rows, width, tp_rank, tp_size, tag, tl.load(meta + SITE),
+        peer_publish(xchg, peer, a0, (a1 + j) * BLOCK_N, rows, width, tp_rank, tp_size, tag, const_word(meta + SITE),
                      fault_site, H, ROWS_PAD, BLOCK_N)
         j += 1

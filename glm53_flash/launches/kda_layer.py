@@ -50,7 +50,7 @@ warp-0 hop and the coef tasks (2026-12-01): kda TP8 bf16 184 B, dense TP1 bf16 7
 import triton
 import triton.language as tl
 
-from sync.device import launch_begin, launch_end, trace_clock, trace_cycles, trace_store
+from sync.device import const_word, launch_begin, launch_end, trace_clock, trace_cycles, trace_store
 
 from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO, M_XMID, act_at,
                   coef_task, f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows, meta_layout, oproj_task,
@@ -162,14 +162,14 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
     pid = tl.program_id(0)
     # Region pointers are formed inside each family from the meta words (cheap cached loads), never
     # hoisted here: ~25 pointers live across the task loop cost ~50 registers in every family.
-    hdr = scratch + tl.load(meta + M_HDR)
+    hdr = scratch + const_word(meta + M_HDR)
     if TRACE:
         t_cta = trace_clock(pid)
         c_cta = trace_cycles(pid)
     # the task range before launch_begin: constant, and not ordered after its acquire (PDL: before the
     # previous kernel is done)
-    i = tl.load(starts + pid)
-    end = tl.load(starts + pid + 1)
+    i = const_word(starts + pid)
+    end = const_word(starts + pid + 1)
     tag, ok = launch_begin(hdr, tag_stride, tag_offset)
     rdy = 0            # bit b: this CTA already passed the wait on box b
     while (i < end) & (ok != 0):

@@ -25,7 +25,7 @@ xmid) instead of hc_post; ln_row 1 (post_attention_layernorm) replaces gate_ffn;
 import triton
 import triton.language as tl
 
-from sync.device import launch_begin, launch_end, trace_clock, trace_cycles, trace_store
+from sync.device import const_word, launch_begin, launch_end, trace_clock, trace_cycles, trace_store
 
 from ..kernels.indexer import idx_score_pools, topk_hist_pass, topk_write
 from ..kernels.mla import mla_absorb_finish, mla_absorb_prefetch, mla_attend_2pass, mla_join_out, mla_out_prefetch
@@ -86,14 +86,14 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
     DO: tl.constexpr = NH * DV
     PASSES: tl.constexpr = (32 + BITS - 1) // BITS
     HIST_W: tl.constexpr = PASSES * T_MAX * (1 << BITS)
-    hdr = scratch + tl.load(meta + M_HDR)
+    hdr = scratch + const_word(meta + M_HDR)
     if TRACE:
         t_cta = trace_clock(pid)
         c_cta = trace_cycles(pid)
     # the task range before launch_begin: constant, and not ordered after its acquire (PDL: before the
     # previous kernel is done)
-    i = tl.load(starts + pid)
-    end = tl.load(starts + pid + 1)
+    i = const_word(starts + pid)
+    end = const_word(starts + pid + 1)
     tag, ok = launch_begin(hdr, tag_stride, tag_offset)
     rdy = 0            # bit b: this CTA already passed the wait on box b (one register, not 21)
     while (i < end) & (ok != 0):
