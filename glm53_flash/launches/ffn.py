@@ -141,13 +141,19 @@ def act_at(scratch, meta, m, ACT_F32: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------- compute pieces
+# GLM53_L2_PREFETCH=0 drops the tasks' L2 prefetches before their waits (A/B on one tree: how much the burst of
+# prefetches at a stage's start delays the critical path's own loads and polls behind it)
+L2_PREFETCH: tl.constexpr = tl.constexpr(os.environ.get("GLM53_L2_PREFETCH", "1") != "0")
+
+
 @triton.jit
 def l2_prefetch_rows(W, n0, N, K: tl.constexpr, BLOCK_N: tl.constexpr):
     """prefetch.global.L2 of the first 512 bytes of rows n0 .. n0 + BLOCK_N - 1 (< N) of W [N, K]: a task
     moves its first tile toward L2 before it waits, holding no registers across the wait (a register
     prefetch held 32-64 registers per thread across the wait and the loops; launches/tail.py)."""
     EPL: tl.constexpr = 1024 // W.dtype.element_ty.primitive_bitwidth      # elements per 128-byte line
-    _l2_prefetch(W, n0, N, K, BLOCK_N, 4, EPL)
+    if L2_PREFETCH:
+        _l2_prefetch(W, n0, N, K, BLOCK_N, 4, EPL)
 
 
 @triton.jit(noinline=True)
@@ -232,7 +238,7 @@ def hc_pre_task(xs, fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2, tag, 
         hc_partial_finish(w0, fn1, xs, 4 * H, part1 + (a0 + j) * ROWS_PAD * SLOT_W, SLOT_W, rows, c0, c0 + BLOCK_N,
                           H, ROWS_PAD, BLOCK_C)
         j += 1
-    trace_mark(scratch + tl.load(meta + M_HDR), tl.program_id(0), 1)      # the partial slots are stored
+    trace_mark(scratch + const_word(meta + M_HDR), tl.program_id(0), 1)      # the partial slots are stored
     signal(scratch, meta, B_HP1, a2, tag, fault_site)
 
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from sync.asm import fence_acq_rel
-from sync.device import trace_mark
+from sync.device import const_word, trace_mark
 
 from ..kernels.gemv import gemv_store, gemv_stream, plane_sum
 from ..kernels.mlp import swiglu_clamped
@@ -169,7 +169,7 @@ def down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size,
     l2_prefetch_rows(W_d, a0 * BLOCK_N, H, I, BLOCK_N)                  # weights before the wait
     x = act_at(scratch, meta, M_H, ACT_F32)                             # meta words too (see waitb)
     y = f32_at(scratch, meta, M_Y2)
-    site = tl.load(meta + M_SITE_XD)
+    site = const_word(meta + M_SITE_XD)
     # h and hc_post's coefficients in one spin (ffn.waitb2), before this rank's xd (a stall of either still
     # starves every rank)
     ok, rdy = waitb2(scratch, meta, B_CF2, B_H, rdy, pid, tag, hdr, timeout_ns)
@@ -189,7 +189,7 @@ def post2_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, 
                B_Z: tl.constexpr):
     """down_sum (TP > 1): rank-order sum of the xd tiles a0 .. a0 + a1 - 1 -> y2, then _post_ffn. -> ok."""
     ok = _rank_sum_tiles(xd, f32_at(scratch, meta, M_Y2), a0, a1, rows, width, tp_rank, tp_size, tag, hdr,
-                         tl.load(meta + M_SITE_XD), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
+                         const_word(meta + M_SITE_XD), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
     if ok != 0:
         _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN, B_Z)
     return ok
@@ -219,7 +219,7 @@ def route_task(bias_r, scratch, meta, rows, width, a0, a1, rdy, pid, tag, hdr, t
     record (ids, weights), producer a1 of sel. One task per row: an expert slot then reads one id instead
     of repeating the join and the top-k (which cost every slot ~3-4 us; 2048 slots at 8 rows). -> (ok, rdy)."""
     part = f32_at(scratch, meta, M_PART_R) + a0 * E                     # meta words before the wait (see waitb)
-    nrpart = tl.load(meta + M_NRPART)
+    nrpart = const_word(meta + M_NRPART)
     ok, rdy = waitb(scratch, meta, B_RL, rdy, pid, tag, hdr, timeout_ns)
     if (ok != 0) & (a0 < rows):
         ids, w = router_select(part, width * E, nrpart, bias_r, E, scaling, KE, E_PAD, K_PAD, RENORM)
@@ -309,7 +309,7 @@ def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, g, width, tp_
     elif tp_size == 1:
         gemv_store(f32_at(scratch, meta, M_Y2) + rr * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
     else:
-        xchg_publish(xd + rr * H, acc, n0, 1, width, tp_rank, tp_size, tag, tl.load(meta + M_SITE_XD), fault_site, H,
+        xchg_publish(xd + rr * H, acc, n0, 1, width, tp_rank, tp_size, tag, const_word(meta + M_SITE_XD), fault_site, H,
                      ROWS_PAD, BLOCK_N)
 
 
@@ -330,7 +330,7 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
     PG: tl.constexpr = (KE + 1) // KG
     l2_prefetch_rows(W_d, a0 * BLOCK_N, H, I, BLOCK_N)                  # shared expert's weights
     ids = i32_at(scratch, meta, M_IDS)
-    fold = tl.load(meta + M_ACT_FOLD)
+    fold = const_word(meta + M_ACT_FOLD)
     ok, rdy = waitb(scratch, meta, B_SEL, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         j = 0
@@ -345,10 +345,12 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
             j += 1
         if (KG == 1) and (not NEXTN):   # with hc_post's coefficients, as down_task
             ok, rdy = waitb2(scratch, meta, B_CF2, B_H, rdy, pid, tag, hdr, timeout_ns)
+            if (ok != 0) & (fold != 0):
+                ok, rdy = waitb(scratch, meta, B_XE, rdy, pid, tag, hdr, timeout_ns)
+        elif fold != 0:                 # h and the routed partials in one spin (a second wait: ~1.5 us)
+            ok, rdy = waitb2(scratch, meta, B_H, B_XE, rdy, pid, tag, hdr, timeout_ns)
         else:
             ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
-        if (ok != 0) & (fold != 0):
-            ok, rdy = waitb(scratch, meta, B_XE, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
         n0 = (a0 + j) * BLOCK_N
@@ -389,7 +391,7 @@ def down_join_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, 
         if tp_size == 1:
             gemv_store(f32_at(scratch, meta, M_Y2), H, acc, rows, n0, H, ROWS_PAD, BLOCK_N)
         else:
-            xchg_publish(xd, acc, n0, rows, width, tp_rank, tp_size, tag, tl.load(meta + M_SITE_XD), fault_site, H,
+            xchg_publish(xd, acc, n0, rows, width, tp_rank, tp_size, tag, const_word(meta + M_SITE_XD), fault_site, H,
                          ROWS_PAD, BLOCK_N)
         j += 1
     if (ok != 0) & (tp_size == 1):
