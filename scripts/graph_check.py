@@ -22,7 +22,7 @@ def ids(*v, dtype=torch.int64):
 
 
 def main() -> int:
-    kw = dict(device="cuda", max_slots=2, max_len=64, widths=(1, 2), progress=False)
+    kw = dict(device="cuda", max_slots=2, max_len=64, widths=(1, 2), progress=False, reference=True)
     t0 = time.time()
     graph = ModelRunner.from_preset("tiny", eager=False, **kw)
     print(f"graph runner built + captured in {time.time() - t0:.1f} s", flush=True)
