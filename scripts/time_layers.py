@@ -432,6 +432,11 @@ def main(argv=None) -> int:
     ap.add_argument("--from", dest="from_json", nargs="+", metavar="FILE", default=None,
                     help="--kind step only: sum the step from the JSON lines of earlier per-kind runs (outputs of "
                          "--kind embed / dense / kda / sparse / tail) instead of timing; needs no GPU")
+    ap.add_argument("--plot", metavar="PNG", default=None,
+                    help="also draw us against rows per launch kind and for the model step, each beside its floor "
+                         "(dashed), into this PNG: the records of --from FILE ... (time_layers / time_matrix JSON "
+                         "lines of runs at rows 1 / 2 / 4 / 8) and the one this run measures; needs matplotlib, "
+                         "checked before any timing (scripts/plot_layers.py)")
     ap.add_argument("--max-copies", type=int, default=None,
                     help="layer kinds: at most this many weight copies (1 = one copy, L2 flushed between launches)")
     ap.add_argument("--reps", type=int, default=16, help="launches per timed CUDA graph (rotating weight copies)")
@@ -447,9 +452,22 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dry = args.dry_run
     import layer_bytes as lbytes
+    import plot_layers
+    if args.plot:
+        try:
+            plot_layers.require_matplotlib()
+        except ImportError as e:
+            ap.error(str(e))
+    if args.from_json and args.kind != "step":
+        if not args.plot:
+            ap.error("--from goes with --kind step (a summed step) or with --plot (a drawing of the records)")
+        try:
+            ser = plot_layers.plot(plot_layers.load_records(args.from_json), args.plot)
+        except (OSError, ValueError) as e:
+            ap.error(str(e))
+        print(f"{args.plot}: {len(ser)} series ({', '.join(sorted(ser))})")
+        return 0
     if args.from_json:
-        if args.kind != "step":
-            ap.error("--from goes with --kind step")
         from glm53_flash.config import preset
         cfg = preset(args.preset or "glm53-flash")
         per, post = lbytes.per_kind_from_json(args.from_json, STEP_KINDS), []
@@ -459,6 +477,7 @@ def main(argv=None) -> int:
                             for k, v in per.items()}}
         print("\n".join(post))
         print(json.dumps(rec, default=str))
+        _plot_after(args, None)
         return 0
     if not dry and not torch.cuda.is_available():
         print("time_layers.py needs a CUDA GPU (or --dry-run)", file=sys.stderr)
@@ -488,7 +507,7 @@ def main(argv=None) -> int:
     if args.kind == "model":
         if args.tp != 1:
             ap.error("--kind model runs TP 1 (ModelRunner drives one rank)")
-        time_model(args, dry, bw, card)
+        _plot_after(args, time_model(args, dry, bw, card))
         return 0
     if args.kind in ("gemv",):
         cases = build_gemv(cfg, args.tp, args.rows, args.weights, device)
@@ -527,9 +546,25 @@ def main(argv=None) -> int:
     title = f"time_layers --kind {args.kind}" + (" --dry-run" if dry else "")
     if dry:
         lbytes.dry_report(title, card, bw, all_cases, extra, notes, post)
+        _plot_after(args, None)
     else:
-        report(title, card, bw, all_cases, all_us, extra_cols=cols, extra=extra, notes=notes, post=post)
+        _plot_after(args, report(title, card, bw, all_cases, all_us, extra_cols=cols, extra=extra, notes=notes,
+                                 post=post))
     return 0
+
+
+def _plot_after(args, rec) -> None:
+    """--plot: the --from files' records and this run's (rec, when it measured one) into args.plot."""
+    if not args.plot:
+        return
+    import plot_layers
+    recs = plot_layers.load_records(args.from_json or []) + ([rec] if rec else [])
+    try:
+        ser = plot_layers.plot(recs, args.plot)
+    except ValueError as e:
+        print(f"--plot {args.plot}: {e}", file=sys.stderr)
+        return
+    print(f"{args.plot}: {len(ser)} series ({', '.join(sorted(ser))})")
 
 
 if __name__ == "__main__":

@@ -221,3 +221,50 @@ def test_dry_run_model_kind():
                         "--tp", "2"], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT,
                                                                                  TRITON_INTERPRET="1"))
     assert p.returncode == 2 and "runs TP 1" in p.stderr
+
+
+def _plot_records():
+    """A --kind model record at rows 1 and 2, a kda record at widths 1 and 8 (a later width-8 run replacing an
+    earlier one), a dry-run record and a failed case (no time), and a non-JSON table line."""
+    kda = lambda w, us: {"kind": "kda", "tp": 8, "width": w, "weights": "bf16",  # noqa: E731
+                         "rows": [{"case": "kda launch", "us": us, "floor_us": 23.2, "judged": True, "fmt": "bf16"},
+                                  {"case": "  torch ops kda", "us": 740.0, "floor_us": 23.2, "judged": False}]}
+    model = lambda r, us: {"title": "time_layers --kind model", "preset": "glm53-flash-e80", "weights": "fp8",  # noqa
+                           "rows": r, "us": us, "floor_us": 900.0 * r}
+    return [kda(1, 131.0), kda(8, 320.0), kda(8, 300.0), model(1, 2500.0), model(2, 2700.0),
+            {"title": "time_layers --kind model --dry-run", "rows": 1, "floor_us": 1.0},
+            {"kind": "dense", "tp": 1, "width": 1, "rows": [{"case": "x", "us": float("nan"), "floor_us": 1.0,
+                                                             "judged": True}]}]
+
+
+def test_plot_from_records(tmp_path, capsys):
+    """--from FILE --plot PNG draws the timed records only (us and floor per label and rows, later runs
+    winning), writes a PNG, and needs no GPU; records with nothing timed are refused with a clear error."""
+    import plot_layers
+    import time_layers
+    f = tmp_path / "runs.jsonl"
+    f.write_text("kda launch tp8 rows1 bf16   131.0 ...\n" + "\n".join(json.dumps(r) for r in _plot_records()) + "\n")
+    ser = plot_layers.series(plot_layers.load_records([str(f)]))
+    assert ser == {"kda TP8 bf16": {1: (131.0, 23.2), 8: (300.0, 23.2)},
+                   "step glm53-flash-e80 TP1 fp8": {1: (2500.0, 900.0), 2: (2700.0, 1800.0)}}
+    png = tmp_path / "out.png"
+    assert time_layers.main(["--kind", "model", "--from", str(f), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "2 series" in capsys.readouterr().out
+    empty = tmp_path / "dry.jsonl"
+    empty.write_text(json.dumps(_plot_records()[-2]) + "\n")
+    with pytest.raises(SystemExit) as e:
+        time_layers.main(["--kind", "kda", "--from", str(empty), "--plot", str(tmp_path / "no.png")])
+    assert e.value.code == 2 and not (tmp_path / "no.png").exists()
+    assert "no timed time_layers records" in capsys.readouterr().err
+    with pytest.raises(SystemExit):                                # --from without --plot: still step only
+        time_layers.main(["--kind", "kda", "--from", str(f)])
+
+
+def test_plot_needs_matplotlib_before_timing(monkeypatch, capsys):
+    """Without matplotlib, --plot is refused at once (before any weights or timing), saying what to do."""
+    import time_layers
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # `import matplotlib` raises ImportError
+    with pytest.raises(SystemExit) as e:
+        time_layers.main(["--kind", "model", "--plot", "x.png"])
+    assert e.value.code == 2 and "needs matplotlib" in capsys.readouterr().err
