@@ -13,10 +13,17 @@ Variants (WAIT, SIG):
           every thread, one reduction)
   wait 2  sync.device.wait_box since then: warp 0 polls with warp votes, lane 0 alone loads the abort
           word, one reduction
+  wait 3  wait 2 with the CTA's outcome by one bar.red.or.pred (sync.asm cta_any) instead of a tensor min
+          (in the launches' kernels the min spilled a register whose reload followed the fence; branch
+          next/cta-any-wait)
   sig 0   the signal before (barrier, fence in every thread, every thread stores)
   sig 1   sync.device.signal_box since then: barrier, then warp 0 fences and stores (sync.asm.signal_warp0)
 
-Usage (GPU): python scripts/bench_hop.py [--iters 2000] [--words 32,256] [--pollers] [--json-out F]
+--pollers: 0 the other CTAs exit; 1 they poll their own blocks (hot lines); 2 they stream a buffer larger than
+L2 from HBM (32 KB of loads in flight a CTA, as the launches' GEMV stages keep) until released: a hop in a loaded
+memory system, where the trace puts waits of 4-6 us on boxes already complete.
+
+Usage (GPU): python scripts/bench_hop.py [--iters 2000] [--words 32,256] [--pollers 0,1,2] [--json-out F]
 """
 from __future__ import annotations
 
@@ -31,8 +38,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from sync.asm import (fence_acq_rel, globaltimer, ld_relaxed_u32, line_loads_ptx, line_match_ptx,  # noqa: E402
-                      signal_warp0, tid_x)
+from sync.asm import (cta_any, fence_acq_rel, globaltimer, ld_relaxed_u32, line_loads_ptx, line_match_ptx,  # noqa: E402
+                      signal_warp0, spin_lines_warp0, tid_x)
 from sync.device import release_cta, signal_box, staggered_budget, store_words, wait_box  # noqa: E402
 from sync.header import H_ABORT, HEADER_WORDS  # noqa: E402
 
@@ -136,9 +143,32 @@ def _wait(box, c, block_words, n_prod, tag, hdr, budget_ns, WAIT: tl.constexpr):
                                          staggered_budget(budget_ns, 0), tl.extra.cuda.num_threads()],
                                          dtype=tl.int32, is_pure=False, pack=1)
         ok = tl.min(tl.zeros([tl.extra.cuda.num_threads()], tl.int32) + live, axis=0)
-    else:
+    elif WAIT == 2:
         ok = wait_box(box, c, block_words, n_prod, tag, hdr, 0, c, budget_ns)
+    else:                                # wait_box's spin, the outcome by bar.red.or.pred
+        live = spin_lines_warp0(box + c * block_words, n_prod, tag, hdr + H_ABORT, staggered_budget(budget_ns, 0), 0)
+        ok = 1 - cta_any(1 - live)
     return ok
+
+
+STREAM: tl.constexpr = tl.constexpr(1 << 14)     # bf16 elements a streaming CTA loads per step (32 KB in flight)
+
+
+@triton.jit
+def _stream_until_released(src, n_src, out, box, c, block_words, tag):
+    """--pollers 2: load this CTA's slice of src (bf16, larger than L2) in STREAM-element steps, wrapping, until
+    word 0 of block c carries `tag`; the sum goes to out[3] only if it is exactly 12345 (never), so the loads stay."""
+    steps = (n_src // tl.num_programs(0)) >> 14         # STREAM-element steps in this CTA's slice
+    acc = tl.zeros([STREAM], dtype=tl.float32)
+    k = 0
+    while ld_relaxed_u32(box + c * block_words) != tag:
+        blk = (c * steps + k % steps).to(tl.int64)
+        # the shift says "a multiple of 16384 elements" to the alignment analysis: 16-byte vector loads
+        acc += tl.load(src + (blk << 14) + tl.arange(0, STREAM), eviction_policy="evict_first").to(tl.float32)
+        k += 1
+    total = tl.sum(acc, axis=0)
+    if total == 12345.0:
+        tl.store(out + 3, total.to(tl.int64))
 
 
 @triton.jit
@@ -156,7 +186,7 @@ def _signal(box, c, block_words, n_words, tag, SIG: tl.constexpr):
 
 
 @triton.jit
-def hop_kernel(box, hdr, out, n_iter, n_words, block_words, peer, tag0, budget_ns, POLLERS: tl.constexpr,
+def hop_kernel(box, hdr, out, src, n_src, n_iter, n_words, block_words, peer, tag0, budget_ns, POLLERS: tl.constexpr,
                WAIT: tl.constexpr, SIG: tl.constexpr):
     pid = tl.program_id(0)
     ok = 1
@@ -184,8 +214,10 @@ def hop_kernel(box, hdr, out, n_iter, n_words, block_words, peer, tag0, budget_n
             _signal(box, 0, block_words, n_words, tag0 + 2 * k + 1, SIG)
             k += 1
         tl.store(out + 2, ok)
-    elif POLLERS:
+    elif POLLERS == 1:
         _wait(box, pid, block_words, 1, tag0 + 2 * n_iter, hdr, budget_ns, WAIT)
+    elif POLLERS == 2:
+        _stream_until_released(src, n_src, out, box, pid, block_words, tag0 + 2 * n_iter)
 
 
 def main(argv=None) -> int:
@@ -193,8 +225,10 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--words", default="32,256", help="words per hop (producers arriving at once), <= 256")
     ap.add_argument("--grid", type=int, default=None, help="default 2 CTAs per SM")
-    ap.add_argument("--pollers", default="0,1", help="0: the other CTAs exit; 1: they poll their blocks")
-    ap.add_argument("--variants", default="0:0,1:0,2:0,2:1", help="WAIT:SIG pairs (2:1 = the launches' hop)")
+    ap.add_argument("--pollers", default="0,1,2",
+                    help="0: the other CTAs exit; 1: they poll their blocks; 2: they stream a buffer from HBM")
+    ap.add_argument("--variants", default="0:0,1:0,2:0,2:1,3:1",
+                    help="WAIT:SIG pairs (2:1 = the launches' hop, 3:1 = with the bar.red outcome)")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args(argv)
     dev = "cuda"
@@ -205,6 +239,7 @@ def main(argv=None) -> int:
     box = torch.zeros(grid * block_words, dtype=torch.int32, device=dev)
     hdr = torch.zeros(HEADER_WORDS, dtype=torch.int32, device=dev)
     out = torch.zeros(4, dtype=torch.int64, device=dev)
+    src = torch.ones(512 << 20, dtype=torch.bfloat16, device=dev)   # 1 GB: --pollers 2 streams it (> L2)
     tag = 1
     rows = []
     for pollers in [int(p) for p in a.pollers.split(",")]:
@@ -213,8 +248,8 @@ def main(argv=None) -> int:
                 wait, sig = (int(x) for x in v.split(":"))
                 res = []
                 for rep in range(4):                     # rep 0 compiles and warms up
-                    hop_kernel[(grid,)](box, hdr, out, a.iters, words, block_words, peer, tag, int(1e9),
-                                        POLLERS=bool(pollers), WAIT=wait, SIG=sig, num_warps=4)
+                    hop_kernel[(grid,)](box, hdr, out, src, src.numel(), a.iters, words, block_words, peer, tag,
+                                        int(1e9), POLLERS=pollers, WAIT=wait, SIG=sig, num_warps=4)
                     tag += 2 * a.iters + 2
                     o = out.tolist()
                     if o[1] != 1 or o[2] != 1:

@@ -217,3 +217,35 @@ def test_staggered_budget_does_not_overflow(budget_s):
     want = [ns + s * (ns >> 4) for s in range(64)]
     assert out.tolist() == want
 
+
+
+_COMPILE_HOP = r"""
+import json, sys, triton
+sys.path.insert(0, "scripts")
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from bench_hop import hop_kernel as k
+sig = {n: "i32" for n in k.arg_names}
+sig.update(box="*i32", hdr="*i32", out="*i64", src="*bf16", budget_ns="i64", POLLERS="constexpr", WAIT="constexpr",
+           SIG="constexpr")
+out = {}
+for pollers, wait in ((2, 3), (1, 2)):
+    attrs = {(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("box", "hdr", "out", "src")}
+    ck = triton.compile(ASTSource(fn=k, signature=sig, constexprs={"POLLERS": pollers, "WAIT": wait, "SIG": 1},
+                                  attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    out[f"{pollers}{wait}"] = ck.asm["ptx"]
+print(json.dumps({"ptx": json.dumps(out)}))
+"""
+
+
+def test_sm90_bench_hop_variants_compile():
+    """scripts/bench_hop.py compiles for sm_90 with the streaming load (--pollers 2) and the bar.red.or.pred outcome
+    (wait 3): the streamers' loads are 16-byte vector loads and survive (their sum is stored under a condition the
+    compiler cannot decide), and wait 3 reduces each wait's outcome with one bar.red.or.pred."""
+    ptx = json.loads(sm90_ptx(_COMPILE_HOP))
+    # wait 3 has no failure path (_box_check, whose own bar.red wait 2 carries): each of its two waits (CTA 0's and
+    # the peer's) reduces the outcome with one bar.red.or.pred
+    assert "_box_check" not in ptx["23"] and ptx["23"].count("bar.red.or.pred") == 2 and "_box_check" in ptx["12"]
+    stream = [ln for ln in ptx["23"].splitlines() if "ld.global" in ln and "evict_first" in ln]
+    assert len(stream) == 16 and all(".v4." in ln for ln in stream)     # 16384 bf16 / 128 threads in 16-byte loads
+    assert ptx["23"].count(SPIN_LINE_LOAD) >= 8
