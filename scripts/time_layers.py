@@ -310,64 +310,72 @@ KINDS = {"gemv": build_gemv, "tail": build_tail, "embed": None, "dense": None, "
          "nextn": None, "step": None, "model": None}
 
 
-def time_model(args, dry: bool, bw: float, card: dict) -> dict:
-    """--kind model: the whole decode step of ModelRunner (TP 1, `--rows` slots, widths = that one) as its
-    captured step graph, replayed back to back (the commit graph is not replayed, so every replay is the
-    same step: the state does not move), beside the sum of its launches' floors (layer_bytes over the launch
-    plan). The slots are prefilled with `--pos` tokens through decode steps (no reference model on the GPU).
-    With --dry-run: the tiny preset on the CPU, one step run through the same step program, untimed."""
+def time_model(args, dry: bool, bw: float, card: dict) -> list[dict]:
+    """--kind model: the whole decode step of ModelRunner (TP 1) as its captured step graph, replayed back to back
+    (the commit graph is not replayed, so every replay is the same step: the state does not move), beside the sum
+    of its launches' floors (layer_bytes over the launch plan), once per batch size B in `--rows` (e.g. 1,2,4,8:
+    one runner built with those widths and max(B) slots, one graph per B, one record per B). The slots are
+    prefilled with `--pos` tokens through decode steps (no reference model on the GPU). With --dry-run: the tiny
+    preset on the CPU, one step per B run through the same step program, untimed."""
     import layer_bytes as lbytes
 
     from glm53_flash.model_runner import ModelRunner
     name = args.preset or ("tiny" if dry else "glm53-flash-e80")
-    R, P = args.rows, (min(args.pos, 2) if dry else args.pos)      # dry: each prompt token is an interpreted step
-    kw = dict(weight_format=args.weights, device="cpu" if dry else DEVICE, max_slots=R, max_len=max(64, P + 8),
-              widths=(R,), eager=dry, graph_programs=dry)
+    Bs = sorted(set(args.rows_list))
+    Rmax, P = Bs[-1], (min(args.pos, 2) if dry else args.pos)      # dry: each prompt token is an interpreted step
+    kw = dict(weight_format=args.weights, device="cpu" if dry else DEVICE, max_slots=Rmax,
+              max_len=max(64, P + 8 + len(Bs)), widths=tuple(Bs), eager=dry, graph_programs=dry)
     if dry:
         kw["reference"] = False
     runner = ModelRunner.from_preset(name, **kw)
     cfg = runner.cfg
-    for s in range(R):
+    for s in range(Rmax):
         runner.prefill(s, [(7 + 3 * s + t) % cfg.vocab_size for t in range(P)])
-    ids = torch.tensor([(11 + s) % cfg.vocab_size for s in range(R)], dtype=torch.int64)
-    pos = torch.tensor([runner.length(s) for s in range(R)], dtype=torch.int64)
-    sl = torch.arange(R, dtype=torch.int32)
-    logits = runner.decode(ids, pos, sl)                            # one checked step (binds the static inputs)
     plan = [k for k in cfg.launch_plan if k != "nextn"]
-    floor_bytes = sum(sum(lbytes.launch_bytes(k, cfg, 1, R, args.weights, pos=P).values()) for k in plan)
-    rec = dict(card, title="time_layers --kind model" + (" --dry-run" if dry else ""), preset=name, rows=R, pos=P,
-               launches=len(plan), floor_bytes=floor_bytes, floor_us=round(floor_bytes / bw * 1e6, 2),
-               logits_finite=bool(torch.isfinite(logits).all()))
-    if not dry:
-        prog = runner.programs[R]
-        prog.ids.copy_(ids.to(prog.ids.device))
-        prog.pos.copy_((pos + 1).to(prog.pos.device))               # the next step of every slot, replayed
-        prog.slots.copy_(sl.to(prog.slots.device))
-        for _ in range(3):
-            prog.g_step.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.windows):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(args.reps):
+    recs = []
+    for R in Bs:
+        ids = torch.tensor([(11 + s) % cfg.vocab_size for s in range(R)], dtype=torch.int64)
+        pos = torch.tensor([runner.length(s) for s in range(R)], dtype=torch.int64)
+        sl = torch.arange(R, dtype=torch.int32)
+        logits = runner.decode(ids, pos, sl)                        # one checked step (binds the static inputs)
+        floor_bytes = sum(sum(lbytes.launch_bytes(k, cfg, 1, R, args.weights, pos=int(pos.max())).values())
+                          for k in plan)
+        rec = dict(card, title="time_layers --kind model" + (" --dry-run" if dry else ""), preset=name, rows=R,
+                   pos=int(pos.max()), launches=len(plan), floor_bytes=floor_bytes,
+                   floor_us=round(floor_bytes / bw * 1e6, 2), logits_finite=bool(torch.isfinite(logits).all()))
+        if not dry:
+            prog = runner.programs[R]
+            prog.ids.copy_(ids.to(prog.ids.device))
+            prog.pos.copy_((pos + 1).to(prog.pos.device))           # the next step of every slot, replayed
+            prog.slots.copy_(sl.to(prog.slots.device))
+            for _ in range(3):
                 prog.g_step.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3 / args.reps)
-        for L in prog.launches:                                     # every timed launch was clean
-            L.check()
-        times.sort()
-        rec["us"] = round(times[len(times) // 2], 2)
-        rec["pct_floor"] = round(100 * rec["floor_us"] / rec["us"], 1)
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(args.windows):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(args.reps):
+                    prog.g_step.replay()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e3 / args.reps)
+            for L in prog.launches:                                 # every timed launch was clean
+                L.check()
+            times.sort()
+            rec["us"] = round(times[len(times) // 2], 2)
+            rec["pct_floor"] = round(100 * rec["floor_us"] / rec["us"], 1)
+        print(f"== {rec['title']}: {name} {args.weights}, TP 1, {R} rows at position {rec['pos']}, {len(plan)} "
+              f"launches")
+        print(f"   floor {rec['floor_us']:.1f} us ({floor_bytes / 1e9:.3f} GB at {bw / 1e12:.2f} TB/s)"
+              + (f", step graph {rec['us']:.1f} us ({rec['pct_floor']:.1f}% of floor)" if "us" in rec else
+                 ", untimed"))
+        print(json.dumps(rec, default=str))
+        recs.append(rec)
     if not dry:
         del runner
         torch.cuda.empty_cache()
-    print(f"== {rec['title']}: {name} {args.weights}, TP 1, {R} rows at position {P}, {len(plan)} launches")
-    print(f"   floor {rec['floor_us']:.1f} us ({floor_bytes / 1e9:.3f} GB at {bw / 1e12:.2f} TB/s)"
-          + (f", step graph {rec['us']:.1f} us ({rec['pct_floor']:.1f}% of floor)" if "us" in rec else ", untimed"))
-    print(json.dumps(rec, default=str))
-    return rec
+    return recs
 
 
 def build_kind(kind, cfg, args, device):
@@ -406,12 +414,14 @@ def main(argv=None) -> int:
                          "tail; step = every kind of one decode step's launch plan (embed, 2 dense, 31 kda, "
                          "11 sparse, tail: 46 launches) timed in turn and summed beside the sum of floors; model = "
                          "the whole step as ModelRunner's one captured graph (TP 1, default preset glm53-flash-e80, "
-                         "--pos prompt tokens per slot, default 16), measured, beside the sum of floors")
+                         "--pos prompt tokens per slot, default 16), measured per batch size in --rows (e.g. "
+                         "1,2,4,8), beside the sum of floors")
     ap.add_argument("--tp", type=int, choices=(1, 2, 4, 8), default=1,
                     help="tensor-parallel degree: time rank 0's shapes (heads/rows split by TP); TP > 1 runs the "
                          "launch in loopback mode (the other ranks' partial sums read as zeros)")
-    ap.add_argument("--rows", type=int, choices=(1, 2, 4, 8), default=1,
-                    help="batch width: activation rows (decode tokens) per launch")
+    ap.add_argument("--rows", default="1",
+                    help="batch width: activation rows (decode tokens) per launch, 1 / 2 / 4 / 8; --kind model "
+                         "takes a list (e.g. 1,2,4,8: one runner, a graph and a record per batch size)")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                     help="weight format: fp8 = e4m3 + 128x128 block scales for the tensors the vendor ships in FP8 "
                          "(dense MLP, experts, DSA q_a/kv_a/q_b/o_proj; KDA, kv_b, router, indexer stay bf16/fp32; "
@@ -450,6 +460,15 @@ def main(argv=None) -> int:
                     help="tail / layer kinds: persistent grid = this many CTAs per SM (default: the launch's; "
                          "a grid that cannot be co-resident is refused)")
     args = ap.parse_args(argv)
+    try:
+        args.rows_list = [int(v) for v in str(args.rows).split(",") if v.strip()]
+    except ValueError:
+        args.rows_list = []
+    if not args.rows_list or any(r not in (1, 2, 4, 8) for r in args.rows_list):
+        ap.error(f"--rows {args.rows}: each must be 1, 2, 4 or 8")
+    if len(args.rows_list) > 1 and args.kind != "model":
+        ap.error(f"--rows {args.rows}: a list goes with --kind model (time_matrix.py runs the other kinds per row count)")
+    args.rows = args.rows_list[0]
     dry = args.dry_run
     import layer_bytes as lbytes
     import plot_layers
@@ -507,7 +526,8 @@ def main(argv=None) -> int:
     if args.kind == "model":
         if args.tp != 1:
             ap.error("--kind model runs TP 1 (ModelRunner drives one rank)")
-        _plot_after(args, time_model(args, dry, bw, card))
+        recs = time_model(args, dry, bw, card)
+        _plot_after(args, recs)
         return 0
     if args.kind in ("gemv",):
         cases = build_gemv(cfg, args.tp, args.rows, args.weights, device)
@@ -554,11 +574,11 @@ def main(argv=None) -> int:
 
 
 def _plot_after(args, rec) -> None:
-    """--plot: the --from files' records and this run's (rec, when it measured one) into args.plot."""
+    """--plot: the --from files' records and this run's (rec: a record, a list of them, or None) into args.plot."""
     if not args.plot:
         return
     import plot_layers
-    recs = plot_layers.load_records(args.from_json or []) + ([rec] if rec else [])
+    recs = plot_layers.load_records(args.from_json or []) + (rec if isinstance(rec, list) else [rec] if rec else [])
     try:
         ser = plot_layers.plot(recs, args.plot)
     except ValueError as e:

@@ -208,15 +208,28 @@ def test_time_matrix_cases_and_records(tmp_path, capsys):
 
 
 def test_dry_run_model_kind():
-    """--kind model --dry-run: ModelRunner's step program on the tiny preset (2 prompt tokens through decode
-    steps, then one checked step), finite logits, and the floor = the launch plan's bytes; TP > 1 refused."""
+    """--kind model --dry-run --rows 1,2: one ModelRunner (widths 1 and 2) on the tiny preset, 2 prompt tokens a slot
+    through decode steps, then one checked step per batch size through its step program: a record per B with
+    finite logits and the floor = the launch plan's bytes at that B; a row list refused for other kinds; TP > 1
+    refused."""
     import layer_bytes as lbytes
-    rec = dry("--kind", "model", "--rows", "1")
+    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "time_layers.py"), "--dry-run", "--kind", "model",
+                        "--rows", "2,1"], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    recs = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
     cfg = preset("tiny")
     plan = [k for k in cfg.launch_plan if k != "nextn"]
-    assert rec["launches"] == len(plan) and rec["rows"] == 1 and rec["pos"] == 2 and rec["logits_finite"]
-    assert rec["floor_bytes"] == sum(sum(lbytes.launch_bytes(k, cfg, 1, 1, "bf16", pos=2).values()) for k in plan)
-    assert "us" not in rec                                         # untimed
+    assert [r["rows"] for r in recs] == [1, 2]                     # sorted, one record per batch size
+    for r in recs:
+        B = r["rows"]
+        assert r["launches"] == len(plan) and r["logits_finite"] and "us" not in r          # untimed
+        assert r["pos"] == (2 if B == 1 else 3)       # slot 0 took B = 1's checked step before B = 2's
+        assert r["floor_bytes"] == sum(sum(lbytes.launch_bytes(k, cfg, 1, B, "bf16", pos=r["pos"]).values())
+                                       for k in plan)
+    p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "time_layers.py"), "--dry-run", "--kind", "kda",
+                        "--rows", "1,2"], capture_output=True, text=True, env=env)
+    assert p.returncode == 2 and "a list goes with --kind model" in p.stderr
     p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "time_layers.py"), "--dry-run", "--kind", "model",
                         "--tp", "2"], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT,
                                                                                  TRITON_INTERPRET="1"))
