@@ -17,7 +17,7 @@ import triton.language as tl
 
 # The polls' loads as they appear in the PTX (the tests look for them). Relaxed, with one fence.acq_rel after the
 # spin: acquire polls (ld.acquire: LDG.STRONG + CCTL.IVALL per load, no MEMBAR) measured 9-10 us slower per layer
-# launch (H200, kda / dense TP8; docs/DECISIONS.md "Acquire polls"): every poll cycle then empties the SM's L1.
+# launch (H200, kda / dense TP8; docs/DECISIONS.md, "acquire polls"): every poll cycle then empties the SM's L1.
 SPIN_LINE_LOAD = "ld.relaxed.gpu.global.v4.u32"     # a box spin's line loads
 PAIR_LOAD = "ld.relaxed.gpu.global.b64"             # a tagged-pair poll's loads
 

@@ -38,11 +38,11 @@ META_NC: tl.constexpr = tl.constexpr(os.environ.get("GLM53_META_NC", "1") != "0"
 
 @triton.jit
 def const_word(ptr):
-    """A launch-constant int32 word (meta words, task-table entries, the task ranges: the host writes them before
-    the launch, nothing in it does). A wait's acquire fence (MEMBAR + CCTL.IVALL) empties L1 of coherent lines, so
-    with plain loads every meta word or table entry a task read after its CTA's previous wait was an L2 round
-    trip on the task's path (box_at's four words before each spin, the next task's entry). ld.global.nc is
-    outside what the fence orders: ptxas may issue it early, and the line may stay in L1 (sync.asm.ld_const_u32)."""
+    """A launch-constant int32 word (meta words, task-table entries, the task ranges, the header's WAIT_CLK: the host
+    writes them before the launch, nothing in it does), through ld.global.nc (sync.asm.ld_const_u32): outside what
+    a wait's fence orders, so ptxas may issue it early. The hope was to keep these words out of the L2 round
+    trips that follow each fence (MEMBAR + CCTL.IVALL empties L1); measured neutral on the H200 (bench/RESULTS.md,
+    wave 2 step 7), kept as the statement of what the words are."""
     if in_interpreter():
         return tl.load(ptr)
     elif META_NC:
@@ -202,7 +202,7 @@ def await_pairs(ptr, mask, tag, hdr, site, cta, budget_ns):
 
     -> (payload int32 tensor (bits; bitcast as needed), ok). ok=0: timed out or the launch aborted."""
     budget_ns = staggered_budget(budget_ns, site)
-    clk = const_word(hdr + H_WAIT_CLK)                 # before the polls: its round trip overlaps theirs
+    clk = const_word(hdr + H_WAIT_CLK)              # loaded before the polls
     w = _load_pairs(ptr, mask)
     pend = mask & ((w & TAG_MASK).to(tl.int32) != tag)
     if not in_interpreter():
@@ -274,7 +274,7 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns)
     1.54 us for the warp-0 spin alone, 1.77 us for this wait (the 0.24 us between: not explained yet)."""
     block = box + consumer * block_words
     budget_ns = staggered_budget(budget_ns, site)
-    clk = const_word(hdr + H_WAIT_CLK)                 # before the spin: its round trip overlaps the polls
+    clk = const_word(hdr + H_WAIT_CLK)              # loaded before the spin (its pin)
     if in_interpreter():
         ok = _box_check(block, n_prod, tag, hdr, site, cta)
     else:
