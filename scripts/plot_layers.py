@@ -9,6 +9,7 @@ draw them here). Used by `time_layers.py --plot PNG [--from FILE ...]`; also run
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 
@@ -42,7 +43,7 @@ def series(recs) -> dict[str, dict[int, tuple[float, float]]]:
         if not isinstance(r.get("rows"), list) or "kind" not in r:
             continue
         for row in r["rows"]:
-            if row.get("judged") and isinstance(row.get("us"), (int, float)) and row["us"] == row["us"]:
+            if row.get("judged") and isinstance(row.get("us"), (int, float)) and not math.isnan(row["us"]):
                 label = f"{r['kind']} TP{r.get('tp', 1)} {row.get('fmt', r.get('weights', '?'))}"
                 out.setdefault(label, {})[int(r.get("width", 1))] = (float(row["us"]), float(row["floor_us"]))
     return out

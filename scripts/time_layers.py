@@ -472,6 +472,8 @@ def main(argv=None) -> int:
     dry = args.dry_run
     import layer_bytes as lbytes
     import plot_layers
+    if args.plot and args.kind == "gemv" and not args.from_json:
+        ap.error("--plot draws launch kinds and the model step against rows; --kind gemv has nothing to draw")
     if args.plot:
         try:
             plot_layers.require_matplotlib()

@@ -275,6 +275,9 @@ def test_plot_from_records(tmp_path, capsys):
     assert "no timed time_layers records" in capsys.readouterr().err
     with pytest.raises(SystemExit):                                # --from without --plot: still step only
         time_layers.main(["--kind", "kda", "--from", str(f)])
+    with pytest.raises(SystemExit) as e:                           # gemv timings have no launch kind to draw
+        time_layers.main(["--kind", "gemv", "--plot", str(tmp_path / "g.png")])
+    assert e.value.code == 2 and "nothing to draw" in capsys.readouterr().err
 
 
 def test_plot_needs_matplotlib_before_timing(monkeypatch, capsys):
