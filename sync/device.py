@@ -279,10 +279,11 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns)
         ok = _box_check(block, n_prod, tag, hdr, site, cta)
     else:
         live = spin_lines_warp0(block, n_prod, tag, hdr + H_ABORT, budget_ns, clk)  # warp 0: outcome; others 1
-        # min over one element per thread = the CTA's outcome in every thread, behind the reduction's CTA
-        # barrier (which also orders every thread after the polls' acquires). A bar.red.and.pred does both
-        # in one instruction, but with it ptxas -v showed ~370 B more call-boundary spills in the kernel.
-        ok = tl.min(tl.zeros([tl.extra.cuda.num_threads()], tl.int32) + live, axis=0)
+        # the CTA's outcome in every thread in one bar.red.or.pred, a CTA barrier that also orders every thread
+        # after warp 0's fence. The tensor min it replaces spilled a register in every wait instance, reloaded
+        # (LDL) right after the fence's CCTL.IVALL (offline sm_90 SASS); spills now kda / dense / sparse / nextn
+        # TP8 bf16 120 / 44 / 232 / 200 B (were 228 / 104 / 320 / 268). Not yet run on the GPU.
+        ok = 1 - cta_any(1 - live)
         if ok == 0:
             ok = _box_check(block, n_prod, tag, hdr, site, cta)
     if ok != 0:
@@ -307,7 +308,7 @@ def wait_box2(box1, words1, n_prod1, site1, box2, words2, n_prod2, site2, consum
             ok = _box_check(block2, n_prod2, tag, hdr, site2, cta)
     else:
         live = spin2_lines_warp0(block1, n_prod1, block2, n_prod2, tag, hdr + H_ABORT, budget_ns, clk)
-        ok = tl.min(tl.zeros([tl.extra.cuda.num_threads()], tl.int32) + live, axis=0)     # as wait_box
+        ok = 1 - cta_any(1 - live)
         if ok == 0:
             ok = _box_check(block1, n_prod1, tag, hdr, site1, cta)
             if ok != 0:
