@@ -130,7 +130,7 @@ def tail_consts(fp8: bool, width: int, **over) -> dict:
 
 def tail_spec(fp8: bool, width: int, warps: int = 4, **over) -> list:
     """sm90_regs spec of tail_kernel; the register cap of TailLaunch at this width."""
-    from .launches.layer_host import DEFAULT_MAXNREG
+    from .launches.tail import DEFAULT_MAXNREG
     from .launches.tail import tail_kernel as k
     C = tail_consts(fp8, width, **over)
     sig = {n: ("constexpr" if n in C else TAIL_TYPES.get(n, "i32")) for n in k.arg_names}

@@ -36,6 +36,19 @@ def test_builds_share_widths_except_the_tail():
     assert list(spec[2]) == kda_layer_kernel.arg_names and spec[6] == {"maxnreg": DEFAULT_MAXNREG}
     assert spec[3]["I"] == 12288 // 8 and spec[3]["NH"] == 8
     assert blds[2]["spec"][3]["XR"] == 4 and blds[3]["spec"][3]["XR"] == 8 and blds[3]["spec"][6] == {}
+    from glm53_flash.launches import tail
+    assert blds[2]["spec"][6] == {"maxnreg": tail.DEFAULT_MAXNREG}       # the tail's own cap, not the layers'
+
+
+def test_layer_register_cap_follows_residency(monkeypatch):
+    from glm53_flash.launches.layer_host import maxnreg_for
+    monkeypatch.delenv("GLM53_MAXNREG", raising=False)
+    assert [maxnreg_for(n) for n in (1, 2, 3, 4, 8)] == [255, 255, 168, 128, 64]
+    assert maxnreg_for(2, num_warps=8) == 128 and DEFAULT_MAXNREG == 255
+    for n in (1, 2, 3, 4, 8):           # what the cap allows is resident: 65536 registers per SM, 8 per thread a unit
+        assert n * 4 * 32 * (-(-maxnreg_for(n) // 8) * 8) <= 65536
+    monkeypatch.setenv("GLM53_MAXNREG", "128")
+    assert maxnreg_for(2) == 128
 
 
 def test_build_report_command_compiles(tmp_path, capsys):

@@ -41,11 +41,13 @@ GEMV tasks held a register prefetch (gate|up: two chunks, 64 registers) across t
 up chunk, through the whole gate GEMV. Alone, gate|up took 168 and moe_down 184. Now: every family is
 a noinline function, GEMV and gate|up tiles are calls of their own (gemv_tile, gateup_tile), a task
 moves its first tile toward L2 (prefetch.global.L2) and waits once before its tile loop, the up chunk
-loads after the gate GEMV, and ptxas is capped at maxnreg=128 (layer_host.py DEFAULT_MAXNREG; 4
-CTAs/SM by registers): dense / embed 128 with 0 B (FP8) or 16 B (bf16) local stores, kda 96-120 B
-(mostly the expert slot's top-k selection over 512 experts, _expert_pick, and the call-boundary saves
-of the task loop's scalars). Same loads, sums and orders as before: the bits do not change. Since the
-warp-0 hop and the coef tasks (2026-12-01): kda TP8 bf16 184 B, dense TP1 bf16 72 B, still 128 registers.
+loads after the gate GEMV. The ptxas cap was 128 (4 CTAs per SM by registers, while the launch runs 2):
+dense / embed 128 with 16-104 B of local stores (bf16), kda 120-228 B. A spilled register is reloaded from
+local memory, and a reload after a wait's fence (MEMBAR + CCTL.IVALL: L1 emptied) is an L2 round trip on the
+task's path: the tensor min that reduced a spin's outcome spilled in every wait instance until 2026-12-01
+(sync.device cta_any; H200, kda TP8 1 row -9 us). Now the cap is what two resident CTAs of 4 warps allow,
+255 (layer_host.py maxnreg_for; GLM53_MAXNREG=128 restores the old cap for an A/B): kda 212-246 registers,
+dense / embed 196-238, no spills at TP1 / TP8, bf16 / FP8 (`python -m glm53_flash build --report`).
 """
 import triton
 import triton.language as tl

@@ -16,6 +16,7 @@ A launch that raises HandoffTimeout leaves them exactly as they were.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
@@ -23,6 +24,7 @@ import triton
 
 from layout import Planner
 
+from .. import schedule as sched_mod
 from .. import tp as tp_mod
 from ..schedule import TASK_COST_FLOOR, TaskGraph, choose_k_split
 from ..weights import PREFIX, weight_specs
@@ -32,7 +34,23 @@ from .kda_layer import BOXES, FAMILIES, META, META_WORDS, ROWS_REGIONS, kda_laye
 
 ROWS_PAD = 8
 SLOT = 40
-DEFAULT_MAXNREG = 128       # ptxas cap (-1 = this default; None = ptxas's choice): see kda_layer.py "Registers"
+REGS_PER_SM = 65536         # sm_90: registers per SM, allocated per warp in units of 256 (8 per thread)
+
+
+def maxnreg_for(ctas_per_sm: int, num_warps: int = 4) -> int:
+    """The ptxas register cap of a layer launch: the most registers a thread may use while `ctas_per_sm` CTAs
+    of `num_warps` warps stay resident on one SM (255 at the default 2 CTAs of 4 warps, 128 at 4). Why not
+    lower: every spilled register is a local-memory reload, and a reload after a wait's fence (CCTL.IVALL
+    empties L1) is an L2 round trip on the task's path (kda_layer.py "Registers"). GLM53_MAXNREG=N overrides
+    it (an A/B switch, e.g. 128, the cap before 2026-12-01)."""
+    env = os.environ.get("GLM53_MAXNREG")
+    if env:
+        return int(env)
+    per_thread = REGS_PER_SM // (max(1, ctas_per_sm) * num_warps * 32)
+    return max(24, min(255, per_thread // 8 * 8))
+
+
+DEFAULT_MAXNREG = maxnreg_for(2)    # at the layer launches' default_ctas_per_sm (-1 = the grid's cap; None = ptxas's)
 
 
 def default_block_v(head_dim: int) -> int:
@@ -98,7 +116,10 @@ class KdaLayerLaunch(Launch):
                  timeout_s: float = 1.0, xchg=None, block_n: int = 64, block_k: int = 128, num_stages: int = 5,
                  num_warps: int = 4, act_dtype: str = "bfloat16", maxnreg: int | None = -1, **tag_kw):
         super().__init__(grid=grid, device=device, timeout_s=timeout_s, **tag_kw)
-        self.maxnreg = DEFAULT_MAXNREG if maxnreg == -1 else maxnreg
+        per_sm = self.default_ctas_per_sm
+        if self.device.type == "cuda":
+            per_sm = -(-self.grid // sched_mod.device_sm_count(self.device))
+        self.maxnreg = maxnreg_for(per_sm, num_warps) if maxnreg == -1 else maxnreg
         k = self.kind
         check_rank_width(k, cfg, tp_rank, tp_size, width)
         if not isinstance(layer, int) or not 0 <= layer < cfg.num_hidden_layers:
