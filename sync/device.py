@@ -280,9 +280,9 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns)
     else:
         live = spin_lines_warp0(block, n_prod, tag, hdr + H_ABORT, budget_ns, clk)  # warp 0: outcome; others 1
         # the CTA's outcome in every thread in one bar.red.or.pred, a CTA barrier that also orders every thread
-        # after warp 0's fence. The tensor min it replaces spilled a register in every wait instance, reloaded
-        # (LDL) right after the fence's CCTL.IVALL (offline sm_90 SASS); spills now kda / dense / sparse / nextn
-        # TP8 bf16 120 / 44 / 232 / 200 B (were 228 / 104 / 320 / 268). Not yet run on the GPU.
+        # after warp 0's fence. The tensor min it replaces went through shared memory with a predicated load,
+        # whose register ptxas kept in local memory, reloaded (LDL) right after the fence's CCTL.IVALL (offline
+        # sm_90 SASS). H200, kda / dense TP8 1 row: -9.0 / -3.9 us (bench/RESULTS.md "Wave 2, step 8").
         ok = 1 - cta_any(1 - live)
         if ok == 0:
             ok = _box_check(block, n_prod, tag, hdr, site, cta)

@@ -47,7 +47,9 @@ local memory, and a reload after a wait's fence (MEMBAR + CCTL.IVALL: L1 emptied
 task's path: the tensor min that reduced a spin's outcome spilled in every wait instance until 2026-12-01
 (sync.device cta_any; H200, kda TP8 1 row -9 us). Now the cap is what two resident CTAs of 4 warps allow,
 255 (layer_host.py maxnreg_for; GLM53_MAXNREG=128 restores the old cap for an A/B): kda 212-246 registers,
-dense / embed 196-238, no spills at TP1 / TP8, bf16 / FP8 (`python -m glm53_flash build --report`).
+dense / embed 196-238, no spills at TP1 / TP8, bf16 / FP8 (`python -m glm53_flash build --report`). Still in
+local memory (ptxas counts it as stack, not spill): the register of each CTA-wide reduction's predicated
+shared-memory load in a noinline family (route, gate, coef, post1, kda: 22 reloads in the kda TP8 kernel).
 """
 import triton
 import triton.language as tl
