@@ -125,6 +125,16 @@ def hc_partial_prefetch(fn_ptr, c0, c1, H, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def _x_cols(x_ptr, stride_x, r, c, c1, H, BLOCK_C: tl.constexpr):
+    """X[r, j, c + t] of the 4 streams, [4, BLOCK_C] (0 for c + t >= c1). .cg: X may come from another CTA of the
+    same launch; never a stale L1 line."""
+    j = tl.arange(0, 4)
+    cc = c + tl.arange(0, BLOCK_C)
+    return tl.load(x_ptr + r * stride_x + j[:, None] * H + cc[None, :], mask=cc[None, :] < c1, other=0.0,
+                   cache_modifier=".cg")
+
+
+@triton.jit
 def hc_partial_finish(w0, fn_ptr, x_ptr, stride_x, part_ptr, stride_p, rows, c0, c1, H,
                       ROWS_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
     """Partial hc_pre sums of columns [c0, c1) of the 4 streams for rows 0..rows-1, into this task's slot.
@@ -134,23 +144,31 @@ def hc_partial_finish(w0, fn_ptr, x_ptr, stride_x, part_ptr, stride_p, rows, c0,
     1 <= rows <= ROWS_PAD. Chunks add in column order, each row on its own (its bits do not depend on
     `rows`); the next fn chunk is loaded before the row loop of the current one.
     """
-    j = tl.arange(0, 4)
     accm = tl.zeros([ROWS_PAD, 32], dtype=tl.float32)
     accg = tl.zeros([ROWS_PAD, 4, 4], dtype=tl.float32)
+    # one (chunk, row) step after another, each step's X loaded during the step before (its sums), so the X
+    # round trips overlap instead of one per step after the previous step's sums (2 x rows of them per tile,
+    # on the launch's first task); the fn chunk likewise, at its chunk's first row. Same sums in the same order.
     w = w0
+    w_next = w0
     c = c0
+    r = 0
+    X = _x_cols(x_ptr, stride_x, 0, c, c1, H, BLOCK_C)
     while c < c1:
-        w_next = _fn_cols(fn_ptr, c + BLOCK_C, c1, H, BLOCK_C)    # all-masked past c1: touches nothing
-        cc = c + tl.arange(0, BLOCK_C)
-        r = 0
-        while r < rows:
-            # .cg: X may come from another CTA of the same launch; never a stale L1 line
-            X = tl.load(x_ptr + r * stride_x + j[:, None] * H + cc[None, :], mask=cc[None, :] < c1, other=0.0,
-                        cache_modifier=".cg")                                   # [4, BLOCK_C]
-            accm, accg = _accumulate(accm, accg, r, w, X, ROWS_PAD)
-            r += 1
-        w = w_next
-        c += BLOCK_C
+        if r == 0:
+            w_next = _fn_cols(fn_ptr, c + BLOCK_C, c1, H, BLOCK_C)    # all-masked past c1: touches nothing
+        rn = r + 1
+        cn = c
+        if rn == rows:
+            rn = 0
+            cn = c + BLOCK_C
+        X_next = _x_cols(x_ptr, stride_x, rn, cn, c1, H, BLOCK_C)   # all-masked past c1
+        accm, accg = _accumulate(accm, accg, r, w, X, ROWS_PAD)
+        X = X_next
+        if rn == 0:
+            w = w_next
+        r = rn
+        c = cn
     _store_slot(part_ptr, stride_p, accm, accg, rows, ROWS_PAD)
 
 
@@ -406,30 +424,49 @@ def hc_post_partial(w0, fn_ptr, x_ptr, y_ptr, stride_y, coef_ptr, stride_c, out_
     (row stride stride_y); coef_ptr: this sub-layer's coefficients [rows, 24] (row stride stride_c,
     hc_store_coef's layout). w0 / fn_ptr: the NEXT hc_pre's fn (hc_partial_prefetch of this tile).
     part_ptr: this task's slot for the next hc_pre, as hc_partial_finish writes it. Same operations as
-    hc_post_tile then hc_partial_finish on X' (same bits under the interpreter)."""
-    j = tl.arange(0, 4)
+    hc_post_tile then hc_partial_finish on X' (same bits under the interpreter). (chunk, row) steps pipelined as
+    in hc_partial_finish: each step's X, y and coefficients load during the step before."""
+    i = tl.arange(0, BLOCK_C)
     accm = tl.zeros([ROWS_PAD, 32], dtype=tl.float32)
     accg = tl.zeros([ROWS_PAD, 4, 4], dtype=tl.float32)
     w = w0
+    w_next = w0
     c = c0
+    r = 0
+    X, y, post, comb = _post_in(x_ptr, y_ptr, coef_ptr, stride_x, stride_y, stride_c, 0, c, c1, H, BLOCK_C)
     while c < c1:
-        w_next = _fn_cols(fn_ptr, c + BLOCK_C, c1, H, BLOCK_C)
-        cc = c + tl.arange(0, BLOCK_C)
-        m = cc < c1
-        r = 0
-        while r < rows:
-            X = tl.load(x_ptr + r * stride_x + j[:, None] * H + cc[None, :], mask=m[None, :], other=0.0,
-                        cache_modifier=".cg")
-            y = tl.load(y_ptr + r * stride_y + cc, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-            post = tl.load(coef_ptr + r * stride_c + 4 + j, cache_modifier=".cg")
-            comb = tl.load(coef_ptr + r * stride_c + 8 + j[:, None] * 4 + j[None, :], cache_modifier=".cg")
-            Xn = _post_mix(X, y, post, comb)                                      # [4, BLOCK_C]; 0 past c1
-            tl.store(out_ptr + r * stride_x + j[:, None] * H + cc[None, :], Xn, mask=m[None, :])
-            accm, accg = _accumulate(accm, accg, r, w, Xn, ROWS_PAD)
-            r += 1
-        w = w_next
-        c += BLOCK_C
+        if r == 0:
+            w_next = _fn_cols(fn_ptr, c + BLOCK_C, c1, H, BLOCK_C)
+        rn = r + 1
+        cn = c
+        if rn == rows:
+            rn = 0
+            cn = c + BLOCK_C
+        Xq, yq, pq, cq = _post_in(x_ptr, y_ptr, coef_ptr, stride_x, stride_y, stride_c, rn, cn, c1, H, BLOCK_C)
+        Xn = _post_mix(X, y, post, comb)                                      # [4, BLOCK_C]; 0 past c1
+        cc = c + i
+        tl.store(out_ptr + r * stride_x + tl.arange(0, 4)[:, None] * H + cc[None, :], Xn, mask=(cc < c1)[None, :])
+        accm, accg = _accumulate(accm, accg, r, w, Xn, ROWS_PAD)
+        X, y, post, comb = Xq, yq, pq, cq
+        if rn == 0:
+            w = w_next
+        r = rn
+        c = cn
     _store_slot(part_ptr, stride_p, accm, accg, rows, ROWS_PAD)
+
+
+@triton.jit
+def _post_in(x_ptr, y_ptr, coef_ptr, stride_x, stride_y, stride_c, r, c, c1, H, BLOCK_C: tl.constexpr):
+    """One hc_post_partial step's inputs, row r, columns [c, c + BLOCK_C) (0 past c1): X [4, BLOCK_C], y [BLOCK_C]
+    (fp32), post [4], comb [4, 4]. .cg: all of them come from other CTAs of the launch."""
+    j = tl.arange(0, 4)
+    cc = c + tl.arange(0, BLOCK_C)
+    m = cc < c1
+    X = tl.load(x_ptr + r * stride_x + j[:, None] * H + cc[None, :], mask=m[None, :], other=0.0, cache_modifier=".cg")
+    y = tl.load(y_ptr + r * stride_y + cc, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    post = tl.load(coef_ptr + r * stride_c + 4 + j, cache_modifier=".cg")
+    comb = tl.load(coef_ptr + r * stride_c + 8 + j[:, None] * 4 + j[None, :], cache_modifier=".cg")
+    return X, y, post, comb
 
 
 # ---------------------------------------------------------------------------- test kernels
