@@ -142,7 +142,7 @@ def hc_partial_finish(w0, fn_ptr, x_ptr, stride_x, part_ptr, stride_p, rows, c0,
     x_ptr: streams X [rows, 4, H] fp32 (row stride stride_x). part_ptr: this task's slot [rows, HC_SLOT]
     (row stride stride_p): words 0-23 sum_{j, c} fn[n, j*H + c] X[j, c], words 24-39 G[j, j'].
     1 <= rows <= ROWS_PAD. Chunks add in column order, each row on its own (its bits do not depend on
-    `rows`); the next fn chunk is loaded before the row loop of the current one.
+    `rows`); each step's inputs load during the step before (below).
     """
     accm = tl.zeros([ROWS_PAD, 32], dtype=tl.float32)
     accg = tl.zeros([ROWS_PAD, 4, 4], dtype=tl.float32)
