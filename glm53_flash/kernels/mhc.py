@@ -135,6 +135,17 @@ def _x_cols(x_ptr, stride_x, r, c, c1, H, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def _next_step(r, c, rows, BLOCK_C: tl.constexpr):
+    """The (row, chunk start) after step (r, c) of a tile's (chunk, row) walk: rows of a chunk, then the next chunk."""
+    rn = r + 1
+    cn = c
+    if rn == rows:
+        rn = 0
+        cn = c + BLOCK_C
+    return rn, cn
+
+
+@triton.jit
 def hc_partial_finish(w0, fn_ptr, x_ptr, stride_x, part_ptr, stride_p, rows, c0, c1, H,
                       ROWS_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
     """Partial hc_pre sums of columns [c0, c1) of the 4 streams for rows 0..rows-1, into this task's slot.
@@ -157,11 +168,7 @@ def hc_partial_finish(w0, fn_ptr, x_ptr, stride_x, part_ptr, stride_p, rows, c0,
     while c < c1:
         if r == 0:
             w_next = _fn_cols(fn_ptr, c + BLOCK_C, c1, H, BLOCK_C)    # all-masked past c1: touches nothing
-        rn = r + 1
-        cn = c
-        if rn == rows:
-            rn = 0
-            cn = c + BLOCK_C
+        rn, cn = _next_step(r, c, rows, BLOCK_C)
         X_next = _x_cols(x_ptr, stride_x, rn, cn, c1, H, BLOCK_C)   # all-masked past c1
         accm, accg = _accumulate(accm, accg, r, w, X, ROWS_PAD)
         X = X_next
@@ -437,11 +444,7 @@ def hc_post_partial(w0, fn_ptr, x_ptr, y_ptr, stride_y, coef_ptr, stride_c, out_
     while c < c1:
         if r == 0:
             w_next = _fn_cols(fn_ptr, c + BLOCK_C, c1, H, BLOCK_C)
-        rn = r + 1
-        cn = c
-        if rn == rows:
-            rn = 0
-            cn = c + BLOCK_C
+        rn, cn = _next_step(r, c, rows, BLOCK_C)
         Xq, yq, pq, cq = _post_in(x_ptr, y_ptr, coef_ptr, stride_x, stride_y, stride_c, rn, cn, c1, H, BLOCK_C)
         Xn = _post_mix(X, y, post, comb)                                      # [4, BLOCK_C]; 0 past c1
         cc = c + i
@@ -461,9 +464,8 @@ def _post_in(x_ptr, y_ptr, coef_ptr, stride_x, stride_y, stride_c, r, c, c1, H, 
     (fp32), post [4], comb [4, 4]. .cg: all of them come from other CTAs of the launch."""
     j = tl.arange(0, 4)
     cc = c + tl.arange(0, BLOCK_C)
-    m = cc < c1
-    X = tl.load(x_ptr + r * stride_x + j[:, None] * H + cc[None, :], mask=m[None, :], other=0.0, cache_modifier=".cg")
-    y = tl.load(y_ptr + r * stride_y + cc, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    X = _x_cols(x_ptr, stride_x, r, c, c1, H, BLOCK_C)
+    y = tl.load(y_ptr + r * stride_y + cc, mask=cc < c1, other=0.0, cache_modifier=".cg").to(tl.float32)
     post = tl.load(coef_ptr + r * stride_c + 4 + j, cache_modifier=".cg")
     comb = tl.load(coef_ptr + r * stride_c + 8 + j[:, None] * 4 + j[None, :], cache_modifier=".cg")
     return X, y, post, comb
