@@ -21,7 +21,7 @@ if not os.path.exists("/dev/nvidiactl"):      # no GPU: kernels run under the in
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def build(kind, cfg, tp, rows, fmt, pos, device):
+def build(kind, cfg, tp, rows, fmt, pos, device, grid=None):
     import torch
     import layer_bytes
     import rank_source
@@ -34,7 +34,7 @@ def build(kind, cfg, tp, rows, fmt, pos, device):
     g = torch.Generator(device=device).manual_seed(3)
     if kind in ("embed", "dense", "kda"):
         cls = {"embed": EmbedLaunch, "dense": DenseLaunch, "kda": KdaLaunch}[kind]
-        L = cls(cfg, src, layer_bytes.layer_of(cfg, kind), tp_rank=0, tp_size=tp, width=rows, device=device)
+        L = cls(cfg, src, layer_bytes.layer_of(cfg, kind), tp_rank=0, tp_size=tp, width=rows, device=device, grid=grid)
         nh, d = cfg.linear_num_heads // tp, cfg.linear_head_dim
         S = 0.1 * torch.randn(rows, nh, d, d, device=device, generator=g)
         win = torch.randn(rows, cfg.linear_conv_kernel_dim - 1, 3 * nh * d, device=device, generator=g)
@@ -42,7 +42,7 @@ def build(kind, cfg, tp, rows, fmt, pos, device):
              else torch.randn(rows, cfg.hc_mult, cfg.hidden_size, device=device, generator=g))
         return L, lambda f=None: L.run(X, S, win, inject_fault=f, commit=False)
     pos_max = -(-(pos + 2) // cfg.index_kpool) * cfg.index_kpool
-    kw = dict(tp_rank=0, tp_size=tp, width=rows, device=device, max_len=pos_max)
+    kw = dict(tp_rank=0, tp_size=tp, width=rows, device=device, max_len=pos_max, grid=grid)
     L = NextnLaunch(cfg, src, **kw) if kind == "nextn" else SparseLaunch(cfg, src, layer_bytes.layer_of(cfg, kind), **kw)
     lat = torch.randn(rows, pos_max, cfg.kv_lora_rank, device=device, generator=g).bfloat16()
     pk = torch.randn(rows, pos_max // cfg.index_kpool, cfg.index_head_dim, device=device, generator=g).bfloat16()
@@ -70,6 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default=None, help="default glm53-flash (tiny on the CPU)")
     ap.add_argument("--inject-fault", default=None, help="a wait site to fault (checks the report on a known stall)")
     ap.add_argument("--num-warps", type=int, default=None)
+    ap.add_argument("--ctas-per-sm", type=int, default=None,
+                    help="GPU: persistent grid = this many CTAs per SM (default: the launch's), e.g. 1 to trace the "
+                         "tasks without a co-resident CTA on their SM (time_layers.py's flag)")
     ap.add_argument("--timeout", type=float, default=None, help="wait budget in seconds (default the launch's)")
     ap.add_argument("--trace", action="store_true",
                     help="then one traced launch (TRACE build): per stage / family times and the critical path "
@@ -86,7 +89,9 @@ def main(argv=None) -> int:
     cfg = preset(args.preset or ("glm53-flash" if device == "cuda" else "tiny"))
     cfg = cfg.replace(n_routed_experts=min(args.experts, cfg.n_routed_experts),
                       num_nextn_predict_layers=max(1, cfg.num_nextn_predict_layers))
-    L, run = build(args.kind, cfg, args.tp, args.rows, args.weights, args.pos, device)
+    grid = (args.ctas_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+            if args.ctas_per_sm and device == "cuda" else None)
+    L, run = build(args.kind, cfg, args.tp, args.rows, args.weights, args.pos, device, grid)
     if args.num_warps:
         L.num_warps = args.num_warps
     if args.timeout:
