@@ -94,20 +94,12 @@ def critical_path(L, times: list[TaskTime]) -> list[tuple[TaskTime, str, int]]:
     return path
 
 
-def by_sm(times: list[TaskTime]) -> dict[int, list[TaskTime]]:
-    """The traced tasks grouped by the SM they ran on (unknown SMs left out)."""
-    out: dict[int, list[TaskTime]] = {}
-    for t in times:
-        if t.sm >= 0:
-            out.setdefault(t.sm, []).append(t)
-    return out
-
-
-def co_resident(on_sm: dict[int, list[TaskTime]], t: TaskTime, tasks) -> list[str]:
-    """Families of the other CTAs' tasks that ran on t's SM while t ran (on_sm: by_sm(times); empty when the
-    SM is unknown)."""
-    return sorted({tasks[o.task].family for o in on_sm.get(t.sm, ())
-                   if o.cta != t.cta and o.start < t.end and o.end > t.start})
+def co_resident(times: list[TaskTime], t: TaskTime, tasks) -> list[str]:
+    """Families of the other CTAs' tasks that ran on t's SM while t ran (empty when the SM is unknown)."""
+    if t.sm < 0:
+        return []
+    return sorted({tasks[o.task].family for o in times
+                   if o.sm == t.sm and o.cta != t.cta and o.start < t.end and o.end > t.start})
 
 
 def report(L, max_path: int = 40) -> str:
@@ -146,12 +138,11 @@ def report(L, max_path: int = 40) -> str:
                 segs[3].append(t.work - prev)
             lines.append(f"  {f:<18} {len(ft):5d}  " + "  ".join(us(statistics.median(d)) if d else "       -"
                                                              for d in segs))
-    on_sm = by_sm(times)
-    if on_sm:                                               # which families doubled up on an SM
+    if any(t.sm >= 0 for t in times):                       # which families doubled up on an SM
         pairs = []
         for f in fams:
             ft = [t for t in times if tasks[t.task].family == f]
-            n = sum(1 for t in ft if f in co_resident(on_sm, t, tasks))
+            n = sum(1 for t in ft if f in co_resident(times, t, tasks))
             if n:
                 pairs.append(f"{f} {n}/{len(ft)}")
         lines.append("  tasks whose SM ran another CTA's task of the same family at the same time: "
@@ -160,7 +151,7 @@ def report(L, max_path: int = 40) -> str:
     lines.append(f"  critical path ({len(path)} tasks; gap = its start minus the end of what it started after):")
     for t, why, gap in path[-max_path:]:
         task = tasks[t.task]
-        co = co_resident(on_sm, t, tasks)
+        co = co_resident(times, t, tasks)
         where = f"CTA {t.cta}" + (f", SM {t.sm} with {', '.join(co) or 'nothing else'}" if t.sm >= 0 else "")
         lines.append(f"    {us(t.start)} .. {us(t.end)}  gap {us(gap)}  wait {us(t.wait)}  own {us(t.work - t.wait)}  "
                      f"{task.family}{list(task.args)} (stage {names[task.stage]}, {where}): {why}")
