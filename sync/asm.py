@@ -56,6 +56,12 @@ def clock64():
 
 
 @triton.jit
+def smid():
+    """The SM this CTA runs on (%smid): which CTAs of a persistent grid share an SM (the trace's co-residents)."""
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def ld_relaxed_u32(ptr):
     """Strong (L2, no stale L1) relaxed 32-bit load at gpu scope."""
     return tl.inline_asm_elementwise("ld.relaxed.gpu.global.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,

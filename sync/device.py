@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from .asm import (clock64, cta_any, fence_acq_rel, globaltimer, grid_dep_launch, grid_dep_wait, in_interpreter, ld_const_u32,
-                  ld_relaxed_u32, ld_relaxed_u64, signal_warp0, spin2_lines_warp0, spin_lines_warp0, st_relaxed_u32,
-                  st_relaxed_u64)
+                  ld_relaxed_u32, ld_relaxed_u64, signal_warp0, smid, spin2_lines_warp0, spin_lines_warp0,
+                  st_relaxed_u32, st_relaxed_u64)
 from .header import H_ABORT, H_DONE, H_EPOCH, H_ERR, H_LAST_TAG, H_WAIT_CLK
 
 TAG_MASK: tl.constexpr = tl.constexpr(0xFFFFFFFF)
@@ -365,10 +365,20 @@ def trace_mark(hdr, cta, k: tl.constexpr):
 
 
 @triton.jit
+def trace_sm(i):
+    """This CTA's SM (%smid) as int64; the interpreter has none: -1 (launches/trace.py then names no
+    co-residents)."""
+    if in_interpreter():
+        return (i * 0 - 1).to(tl.int64)
+    else:
+        return smid().to(tl.int64)
+
+
+@triton.jit
 def trace_store(trace, row, t_start, c_start, hdr, pid, i):
     """Row `row` of the trace buffer [rows, 8] int64: (start ns, end ns, then in cycles from the start: the
     end of the task's last wait (0: it waited on nothing), the end, marks 1-3 (-1: not reached in this
-    task)). Cycles are this SM's %clock64 (ns ticks about every microsecond; cycles do not):
+    task), then the SM it ran on (-1: unknown)). Cycles are this SM's %clock64 (ns ticks about every microsecond; cycles do not):
     launches/trace.py converts them with the CTA's own cycles per ns."""
     t_end = trace_clock(i)
     c_end = trace_cycles(i)
@@ -382,4 +392,4 @@ def trace_store(trace, row, t_start, c_start, hdr, pid, i):
     for k in tl.static_range(1, 4):
         c = tl.load(slots + k)
         tl.store(trace + 8 * row + 3 + k, tl.where(c >= c_start, c - c_start, -1))
-    tl.store(trace + 8 * row + 7, 0)
+    tl.store(trace + 8 * row + 7, trace_sm(i))

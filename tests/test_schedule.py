@@ -128,14 +128,12 @@ def test_residency_formula_and_refusal():
         check_residency("tail", 133, n_regs=255, num_warps=8, shared=16384, n_sm=132)
 
 
-def test_trace_report_critical_path_with_known_times():
-    """launches/trace.py on a hand-made two-CTA schedule and trace (ns): the critical path follows the
-    later-finishing predecessor (program order or the last producer), with the gaps between."""
+def _demo_trace(sm=(0, 0)):
+    """A hand-made two-CTA schedule (load x on both, mix y on CTA 0, out on CTA 1) and its trace buffer (ns);
+    sm: the SM word of CTA 0's and CTA 1's rows."""
     import types
 
     import torch
-
-    from glm53_flash.launches.trace import critical_path, read, report
     g = TaskGraph("demo", ["load", "mix", "out"])
     g.stage("a")
     a0 = g.add("load", (0,), writes=("x",), cta=0)
@@ -145,13 +143,21 @@ def test_trace_report_critical_path_with_known_times():
     g.stage("c")
     c1 = g.add("out", (0,), reads=("y",), cta=1)
     sched = from_programs(g, 2, [[a0.id, b0.id], [a1.id, c1.id]])
-    # table rows (start ns, end ns, cycles to the last wait's end, to the end, to marks 1-3, 0): CTA 0's
+    # table rows (start ns, end ns, cycles to the last wait's end, to the end, to marks 1-3, SM): CTA 0's
     # program, then CTA 1's; then one row per CTA, whose cycles over its run give its cycles per ns (2 and 1)
     ns = {a0.id: (1000, 3000, 0, 4000), b0.id: (9000, 12000, 2000, 6000), a1.id: (1000, 8000, 0, 7000),
           c1.id: (15000, 16000, 400, 1000)}
-    rows = [(*ns[t], -1, -1, -1, 0) for prog in sched.programs for t in prog]
-    rows += [(1000, 12500, 0, 23000, -1, -1, -1, 0), (1000, 16500, 0, 15500, -1, -1, -1, 0)]
+    rows = [(*ns[t], -1, -1, -1, sm[c]) for c, prog in enumerate(sched.programs) for t in prog]
+    rows += [(1000, 12500, 0, 23000, -1, -1, -1, sm[0]), (1000, 16500, 0, 15500, -1, -1, -1, sm[1])]
     L = types.SimpleNamespace(kind="demo", grid=2, schedule=sched, trace_buf=torch.tensor(rows, dtype=torch.int64))
+    return L, (a0, a1, b0, c1)
+
+
+def test_trace_report_critical_path_with_known_times():
+    """launches/trace.py on a hand-made two-CTA schedule and trace (ns): the critical path follows the
+    later-finishing predecessor (program order or the last producer), with the gaps between."""
+    from glm53_flash.launches.trace import critical_path, read, report
+    L, (a0, a1, b0, c1) = _demo_trace()
     times, ctas = read(L)
     assert ctas == [(0, 11500), (0, 15500)] and {t.task: (t.start, t.end) for t in times}[b0.id] == (8000, 11000)
     # b0 on CTA 0 (2 cycles per ns): waited 1000 ns of its 3000; c1 on CTA 1: 400 of 1000; no marks
@@ -164,3 +170,23 @@ def test_trace_report_critical_path_with_known_times():
     assert "after the last producer of 'x'" in path[1][1] and "'y'" in path[2][1]
     text = report(L)
     assert "launch span 15.5 us" in text and "mix" in text
+
+
+def test_trace_report_co_resident_ctas():
+    """The SM word of a trace row: tasks of two CTAs on one SM that overlap in time are each other's
+    co-residents (the two loads: 0-2000 and 0-7000 ns; mix at 8000-11000 and out at 14000-15000 overlap
+    nothing); on different SMs, or with the SM unknown (-1, the interpreter), nothing is named."""
+    from glm53_flash.launches.trace import by_sm, co_resident, read, report
+    L, (a0, a1, b0, c1) = _demo_trace(sm=(3, 3))
+    times, _ = read(L)
+    fam = L.schedule.tasks
+    on = by_sm(times)
+    got = {t.task: co_resident(on, t, fam) for t in times}
+    assert got == {a0.id: ["load"], a1.id: ["load"], b0.id: [], c1.id: []}
+    text = report(L)
+    assert "same family at the same time: load 2/2" in text and "SM 3 with load" in text
+    for sm in ((3, 4), (-1, -1)):
+        L, _ = _demo_trace(sm=sm)
+        times, _ = read(L)
+        assert all(co_resident(by_sm(times), t, L.schedule.tasks) == [] for t in times)
+    assert "SM " not in report(L) and "same family" not in report(L)

@@ -288,7 +288,7 @@ def _group_src(scratch, meta, g, pid, KE: tl.constexpr, I_E: tl.constexpr, KG: t
 
 @triton.jit(noinline=True)
 def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, g, width, tp_rank, tp_size, tag, fault_site, fold, pid,
-                  E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, I_E: tl.constexpr, KE: tl.constexpr,
+                  hdr, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, I_E: tl.constexpr, KE: tl.constexpr,
                   ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr,
                   NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr, KG: tl.constexpr):
     """Row rr's MoE output columns [n0, n0 + BLOCK_N) from expert group g of KG (kernels/moe.py
@@ -304,6 +304,7 @@ def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, g, width, tp_
                          i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
                          act_src, w_de, s_de, n0, g * PG, g * PG + PG,
                          E, H, I_E, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, KE)
+    trace_mark(hdr, pid, 2)                                          # the group's GEMVs are done
     if KG > 1:
         gemv_store(f32_at(scratch, meta, M_DPART) + (g * width + rr) * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
     elif tp_size == 1:
@@ -311,6 +312,7 @@ def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, g, width, tp_
     else:
         xchg_publish(xd + rr * H, acc, n0, 1, width, tp_rank, tp_size, tag, const_word(meta + M_SITE_XD), fault_site, H,
                      ROWS_PAD, BLOCK_N)
+    trace_mark(hdr, pid, 3)                                          # stored / published
 
 
 @triton.jit(noinline=True)
@@ -358,9 +360,10 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
         while rr < rows:
             if fold != 0:
                 _group_act(scratch, meta, rr, a3, pid, width, swiglu_limit, KE, I_E, KG, KS_E, ACT_F32)
+            trace_mark(hdr, pid, 1)                                  # the row's activations are joined (fold)
             _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, a3, width, tp_rank, tp_size, tag,
-                          fault_site, fold, pid, E, H, I, I_E, KE, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32,
-                          KG)
+                          fault_site, fold, pid, hdr, E, H, I, I_E, KE, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES,
+                          ACT_F32, KG)
             rr += 1
         j += 1
     if KG == 1:

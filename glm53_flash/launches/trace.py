@@ -25,6 +25,7 @@ class TaskTime:
     wait: float = 0.0  # ns from the start to the end of the task's last wait (cycles / the CTA's cycles per ns)
     work: float = 0.0  # ns from the start to the end, by the same clock (work - wait: the task's own time)
     marks: tuple = ()  # ns from the start to marks 1-3 (None: not reached; GLM53_TRACE_MARKS builds only)
+    sm: int = -1       # the SM its CTA ran on (-1: unknown, e.g. the interpreter)
 
 
 def read(L) -> tuple[list[TaskTime], list[tuple[int, int]]]:
@@ -51,7 +52,7 @@ def read(L) -> tuple[list[TaskTime], list[tuple[int, int]]]:
             s, e, w, d = rows[k][:4]
             if s >= 0 and e >= 0:
                 out.append(TaskTime(tid, c, s - t0, e - t0, w / f, d / f,
-                                    tuple(m / f if m >= 0 else None for m in rows[k][4:7])))
+                                    tuple(m / f if m >= 0 else None for m in rows[k][4:7]), int(rows[k][7])))
             k += 1
     return out, [(r[0] - t0, r[1] - t0) if r[0] >= 0 else (-1, -1) for r in ctas]
 
@@ -93,6 +94,22 @@ def critical_path(L, times: list[TaskTime]) -> list[tuple[TaskTime, str, int]]:
     return path
 
 
+def by_sm(times: list[TaskTime]) -> dict[int, list[TaskTime]]:
+    """The traced tasks grouped by the SM they ran on (unknown SMs left out)."""
+    out: dict[int, list[TaskTime]] = {}
+    for t in times:
+        if t.sm >= 0:
+            out.setdefault(t.sm, []).append(t)
+    return out
+
+
+def co_resident(on_sm: dict[int, list[TaskTime]], t: TaskTime, tasks) -> list[str]:
+    """Families of the other CTAs' tasks that ran on t's SM while t ran (on_sm: by_sm(times); empty when the
+    SM is unknown)."""
+    return sorted({tasks[o.task].family for o in on_sm.get(t.sm, ())
+                   if o.cta != t.cta and o.start < t.end and o.end > t.start})
+
+
 def report(L, max_path: int = 40) -> str:
     times, ctas = read(L)
     tasks, names = L.schedule.tasks, L.schedule.stage_names
@@ -129,10 +146,22 @@ def report(L, max_path: int = 40) -> str:
                 segs[3].append(t.work - prev)
             lines.append(f"  {f:<18} {len(ft):5d}  " + "  ".join(us(statistics.median(d)) if d else "       -"
                                                              for d in segs))
+    on_sm = by_sm(times)
+    if on_sm:                                               # which families doubled up on an SM
+        pairs = []
+        for f in fams:
+            ft = [t for t in times if tasks[t.task].family == f]
+            n = sum(1 for t in ft if f in co_resident(on_sm, t, tasks))
+            if n:
+                pairs.append(f"{f} {n}/{len(ft)}")
+        lines.append("  tasks whose SM ran another CTA's task of the same family at the same time: "
+                     + (", ".join(pairs) if pairs else "none"))
     path = critical_path(L, times)
     lines.append(f"  critical path ({len(path)} tasks; gap = its start minus the end of what it started after):")
     for t, why, gap in path[-max_path:]:
         task = tasks[t.task]
+        co = co_resident(on_sm, t, tasks)
+        where = f"CTA {t.cta}" + (f", SM {t.sm} with {', '.join(co) or 'nothing else'}" if t.sm >= 0 else "")
         lines.append(f"    {us(t.start)} .. {us(t.end)}  gap {us(gap)}  wait {us(t.wait)}  own {us(t.work - t.wait)}  "
-                     f"{task.family}{list(task.args)} (stage {names[task.stage]}, CTA {t.cta}): {why}")
+                     f"{task.family}{list(task.args)} (stage {names[task.stage]}, {where}): {why}")
     return "\n".join(lines)
