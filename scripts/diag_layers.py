@@ -118,14 +118,38 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
     if args.trace:
         from glm53_flash.launches.trace import report
+        plain = _snapshot(run())
         L.enable_trace()
         for _ in range(3):                                 # the TRACE build compiles and warms up first
-            run()
+            traced = _snapshot(run())
         print(report(L))
         L.enable_trace(False)
+        same = _same(plain, traced)                        # a trace build must not change a bit of the output
+        print(f"-- traced launch's outputs bitwise equal to the plain launch's: {'yes' if same else 'NO'}")
+        if not same:
+            return 1
     if args.profile and device == "cuda":
         profile(run, args.profile)
     return 0
+
+
+def _snapshot(out):
+    """A copy of a launch's returned output(s), so a later launch cannot overwrite it."""
+    import torch
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_snapshot(o) for o in out)
+    return out
+
+
+def _same(a, b) -> bool:
+    import torch
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def profile(run, n):

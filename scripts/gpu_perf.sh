@@ -3,7 +3,8 @@
 #   1. GPU tests of the kinds a change touches (TESTS: ';'-separated "[K=V ...] files::-k expr" groups, JOBS at a
 #      time, until A_T seconds) -> tests.log;
 #      STRESS="args": scripts/stress.py (the hand-off protocols under load) after them -> tests.log;
-#   2. in-kernel traces (TRACES="kind:tp[:rows] ...", scripts/diag_layers.py --trace; TRACE_ENV="K=V ..." extra
+#   2. in-kernel traces (TRACES="kind:tp[:rows[:flags]] ...", flags ','-separated, e.g. kda:8:1:--ctas-per-sm=1;
+#      scripts/diag_layers.py --trace, which also checks the traced outputs' bits; TRACE_ENV="K=V ..." extra
 #      environment for them, e.g. GLM53_TRACE_MARKS=1; TRACE_ARGS: more diag_layers flags, e.g. --experts 288)
 #      -> trace.log; HOP="args": scripts/bench_hop.py -> trace.log;
 #   3. time_layers over TIMING (';'-separated scripts/time_matrix.py argument sets) -> timing.jsonl / .log;
@@ -54,11 +55,11 @@ fi
 
 # 2. traces
 for kt in ${TRACES:-}; do
-  IFS=: read -r k tp r <<< "$kt"
+  IFS=: read -r k tp r xa <<< "$kt"; xa=${xa//,/ }
   [ "$(left)" -lt 60 ] && { echo "trace $kt not started (deadline)" >> "$S"; continue; }
-  echo "##### trace $k tp $tp rows ${r:-1}" >> "$OUT/trace.log"
+  echo "##### trace $k tp $tp rows ${r:-1} ${TRACE_ARGS:-} $xa" >> "$OUT/trace.log"
   timeout 120 env ${TRACE_ENV:-} python3 scripts/diag_layers.py --kind $k --tp $tp --rows ${r:-1} --pos 8191 --trace \
-    ${TRACE_ARGS:-} 2>&1 \
+    ${TRACE_ARGS:-} $xa 2>&1 \
     | grep -v "task#" >> "$OUT/trace.log"
 done
 if [ -n "${HOP:-}" ]; then
