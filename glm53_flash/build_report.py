@@ -66,7 +66,7 @@ def layer_spec(kind: str, tp: int, fp8: bool, warps: int = 4, maxnreg: int | Non
             {"maxnreg": cap} if cap else {}]
 
 
-def dsa_spec(kind: str, tp: int, fp8: bool, warps: int = 4, block_t: int = 32) -> list:
+def dsa_spec(kind: str, tp: int, fp8: bool, warps: int = 4, block_t: int | None = None) -> list:
     """sm90_regs spec of sparse_layer_kernel (kind sparse / nextn) at the real shapes: the argument types from a
     tiny launch's kernel_args (the same arguments), the constexprs as SparseLaunch.kernel_args gives them at the
     real config. Needs the interpreter (TRITON_INTERPRET=1) for the tiny launch."""
@@ -75,6 +75,7 @@ def dsa_spec(kind: str, tp: int, fp8: bool, warps: int = 4, block_t: int = 32) -
     from .config import preset
     from .launches.nextn import NextnLaunch
     from .launches.sparse import SparseLaunch, layer_caches
+    from .kernels.mla import att_chunk, choose_attention_split, join_chunk
     from .launches.sparse_layer import sparse_layer_kernel as k
     from .reference.caches import DecodeCaches
     from .weights import RandomWeights
@@ -103,6 +104,9 @@ def dsa_spec(kind: str, tp: int, fp8: bool, warps: int = 4, block_t: int = 32) -
                 OUT_N=64, OUT_PF=128, BLOCK_P=16, T_MAX=16, BITS=8, SEL_BLOCK=1024, NORM_BLOCK=256, E=288, KE=8,
                 I_E=I, E_PAD=512, K_PAD=8, RENORM=True, BLOCK_E=16, RCK=32, NEXTN=kind == "nextn",
                 TRACE=False, MOE=True)
+    sp = choose_attention_split(2051, NH, 132, 132)              # the launch's chooser at the H200's grid
+    real.update(HB=sp.heads_per_task, BLOCK_T=block_t or sp.block_t, ATT_CK=att_chunk(block_t or sp.block_t, 512),
+                **dict(zip(("NS_PAD", "JC"), join_chunk(sp.n_splits if not block_t else -(-2051 // block_t), 512))))
     ks = k_splits(real, fp8)
     real.update(KS_GU=ks["KS_GU"], KS_E=ks["KS_E"], KG=ks["KG"])
     del real["MOE"]

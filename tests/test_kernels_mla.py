@@ -94,7 +94,7 @@ def _check(cfg, x, kv_b, split, tol, chunk_c=None):
 SPLITS = [mla.AttentionSplit(4, 8, 8, 3), mla.AttentionSplit(2, 16, 16, 2), mla.AttentionSplit(1, 32, 32, 1)]
 
 
-@pytest.mark.parametrize("chunk_c", [None, 16], ids=lambda c: "online" if c is None else f"2pass{c}")
+@pytest.mark.parametrize("chunk_c", [None, 16], ids=lambda c: "online" if c is None else f"tile{c}")
 @pytest.mark.parametrize("split", SPLITS, ids=lambda s: f"hb{s.heads_per_task}-t{s.tokens_per_task}x{s.n_splits}")
 @pytest.mark.parametrize("positions", [[130], [10, 40, 130, 77]], ids=lambda p: f"rows{len(p)}")
 def test_mla_matches_reference(positions, split, chunk_c, gen, one_thread):
@@ -102,13 +102,13 @@ def test_mla_matches_reference(positions, split, chunk_c, gen, one_thread):
     _check(cfg, _inputs(cfg, positions, gen), _kv_b(cfg), split, 1e-3, chunk_c)
 
 
-@pytest.mark.parametrize("chunk_c", [None, 32], ids=lambda c: "online" if c is None else f"2pass{c}")
+@pytest.mark.parametrize("chunk_c", [None, 32], ids=lambda c: "online" if c is None else f"tile{c}")
 def test_mla_bf16_latents(chunk_c, gen, one_thread):
     cfg = preset("tiny")
     _check(cfg, _inputs(cfg, [40, 130], gen, torch.bfloat16), _kv_b(cfg), SPLITS[0], 1e-3, chunk_c)
 
 
-@pytest.mark.parametrize("chunk_c", [None, 16], ids=lambda c: "online" if c is None else f"2pass{c}")
+@pytest.mark.parametrize("chunk_c", [None, 16], ids=lambda c: "online" if c is None else f"tile{c}")
 def test_mla_deterministic_and_batch_invariant(chunk_c, gen, one_thread):
     cfg = preset("tiny")
     x, kv_b, split = _inputs(cfg, [10, 40, 130, 77], gen), _kv_b(cfg), SPLITS[0]
@@ -121,7 +121,7 @@ def test_mla_deterministic_and_batch_invariant(chunk_c, gen, one_thread):
             assert _same(alone[k][0], first[k][r]), f"{k}: row {r} differs alone vs among 4"
 
 
-@pytest.mark.parametrize("chunk_c", [None, 32], ids=lambda c: "online" if c is None else f"2pass{c}")
+@pytest.mark.parametrize("chunk_c", [None, 32], ids=lambda c: "online" if c is None else f"tile{c}")
 def test_mla_fp8_weights(chunk_c, gen, one_thread):
     # FP8 e4m3 kv_b with 128 x 128 block scales; head parts of 128 rows (whole scale blocks, as at the
     # real shape), so the tiny config is widened to nope = v = latent = 128 with 2 heads
@@ -156,18 +156,29 @@ def test_choose_attention_split():
     for nh, grid, sms in ((64, 132, 132), (8, 132, 132), (16, 264, 132), (64, 1056, 132), (32, 8, 132)):
         s = mla.choose_attention_split(W, nh, grid, sms)
         assert nh % s.heads_per_task == 0 and s.heads_per_task <= 16
-        assert s.tokens_per_task % s.block_t == 0 and s.block_t in (16, 32)
+        assert s.tokens_per_task == s.block_t and s.block_t in (32, 64, 128)      # one tile a task
         assert s.tokens_per_task * s.n_splits >= W > s.tokens_per_task * (s.n_splits - 1)
-        assert s.block_t == (16 if s.tasks_per_row(nh) > sms else 32)
-        assert s.tasks_per_row(nh) <= max(grid, nh // s.heads_per_task) or s.n_splits == 1
+        fits = s.tasks_per_row(nh) <= grid
+        assert fits or s.block_t == 128                                          # else the largest tile
+        if fits and s.block_t > 32:                                              # the smallest tile that fits
+            assert nh // s.heads_per_task * -(-W // (s.block_t // 2)) > grid
         print(f"nh {nh} grid {grid}: {s}, {s.tasks_per_row(nh)} tasks a row")
-    assert mla.choose_attention_split(W, 64, 132, 132).n_splits > 1
-    assert mla.choose_attention_split(W, 8, 132, 132).n_splits == -(-W // 128)
+    assert mla.choose_attention_split(W, 8, 132, 132) == mla.AttentionSplit(8, 32, 32, 65)       # TP8
+    assert mla.choose_attention_split(W, 64, 132, 132) == mla.AttentionSplit(16, 64, 64, 33)     # TP1
     with pytest.raises(ValueError):
         mla.choose_attention_split(0, 64, 132, 132)
     with pytest.raises(ValueError):
         _run(preset("tiny"), _inputs(preset("tiny"), [40], torch.Generator()), _kv_b(preset("tiny")),
              mla.AttentionSplit(4, 8, 8, 1))                                 # covers 8 of 19 index slots
+    with pytest.raises(ValueError, match="one tile"):
+        _run(preset("tiny"), _inputs(preset("tiny"), [40], torch.Generator()), _kv_b(preset("tiny")),
+             mla.AttentionSplit(4, 8, 16, 2), chunk_c=16)                    # two tiles a task: online form only
+
+
+def test_join_chunk():
+    assert mla.att_chunk(32, 512) == 64 and mla.att_chunk(64, 512) == 32 and mla.att_chunk(8, 64) == 64
+    assert mla.join_chunk(65, 512) == (128, 32) and mla.join_chunk(33, 512) == (64, 64)
+    assert mla.join_chunk(1, 64) == (2, 64) and mla.join_chunk(3, 64) == (4, 64)
 
 
 # ---------------------------------------------------------------------------- GPU, real shapes
@@ -206,35 +217,33 @@ _DIVISIBLE = ()   # int args a launch passes as multiples of 16
 
 
 _F, _B, _I = "*fp32", "*bf16", "*i32"
-_ATTEND = dict(qlat=_F, idx=_I, latent=_B, positions=_I, pm=_F, pl=_F, pacc=_F, sbuf=_F, stride_lat="i32",
+_ATTEND = dict(qlat=_F, idx=_I, latent=_B, positions=_I, pm=_F, pl=_F, pacc=_F, stride_lat="i32",
                width="i32", n_splits="i32", tpt="i32", scale="fp32", TOPK="i32", NH="constexpr", C="constexpr",
                KP="constexpr", HB="constexpr", BLOCK_T="constexpr", CK="constexpr")
 _MLA_C = dict(NH=64, DN=256, DV=256, C=512)
-# (variant, register budget); measured with triton 3.6's ptxas: 60, 210, 93, 96, 77, 66, 62, 72, 32, 128, 60, 72
+_OUT = dict(kv_b=_B, s_kv=_B, pm=_F, pl=_F, pacc=_F, ctx=_F, out=_F, rows="i32", n_splits="i32", NH="constexpr",
+            DN="constexpr", DV="constexpr", C="constexpr", ROWS_PAD="constexpr", BLOCK_N="constexpr",
+            BLOCK_K="constexpr", PF_K="constexpr", NS_PAD="constexpr", JC="constexpr")
+# (variant, register budget); measured with triton 3.6's ptxas: printed by the test
 BUDGETS = [
     (["mla", "mla_absorb_kernel", dict(q=_F, kv_b=_B, s_kv=_B, qlat=_F, rows="i32", NH="constexpr", DN="constexpr",
                                        DV="constexpr", C="constexpr", ROWS_PAD="constexpr", BLOCK_C="constexpr",
                                        CK="constexpr"), dict(_MLA_C, ROWS_PAD=8, BLOCK_C=64, CK=64), 4], 128),
     # online form: measured 251 (4 warps), 210 (8 warps); (BLOCK_T 64, 8 warps) spills 824 B - not listed
     (["mla", "mla_attend_kernel", _ATTEND, dict(NH=64, C=512, KP=4, HB=16, BLOCK_T=32, CK=512), 8], 224),
-    # two-pass form (what a launch should build): measured 93, 96, 77
-    (["mla", "mla_attend_kernel", _ATTEND, dict(NH=64, C=512, KP=4, HB=16, BLOCK_T=32, CK=32), 4], 104),
-    (["mla", "mla_attend_kernel", _ATTEND, dict(NH=64, C=512, KP=4, HB=16, BLOCK_T=16, CK=64), 4], 104),
-    (["mla", "mla_attend_kernel", _ATTEND, dict(NH=64, C=512, KP=4, HB=16, BLOCK_T=16, CK=64), 8], 88),
-    (["mla", "mla_out_kernel", dict(kv_b=_B, s_kv=_B, pm=_F, pl=_F, pacc=_F, ctx=_F, out=_F, rows="i32", n_splits="i32",
-                                    NH="constexpr", DN="constexpr", DV="constexpr", C="constexpr",
-                                    ROWS_PAD="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr",
-                                    PF_K="constexpr"),
-      dict(_MLA_C, ROWS_PAD=8, BLOCK_N=64, BLOCK_K=128, PF_K=128), 4], 128),
+    # one-tile form (what the launches build: TP8 (HB 8, BLOCK_T 32), TP1 (HB 16, BLOCK_T 64))
+    (["mla", "mla_attend_kernel", _ATTEND, dict(NH=64, C=512, KP=4, HB=8, BLOCK_T=32, CK=64), 4], 128),
+    (["mla", "mla_attend_kernel", _ATTEND, dict(NH=64, C=512, KP=4, HB=16, BLOCK_T=64, CK=32), 4], 168),
+    (["mla", "mla_out_kernel", _OUT, dict(_MLA_C, ROWS_PAD=8, BLOCK_N=64, BLOCK_K=128, PF_K=128, NS_PAD=128, JC=32),
+      4], 128),
+    (["mla", "mla_out_kernel", _OUT, dict(_MLA_C, ROWS_PAD=8, BLOCK_N=64, BLOCK_K=128, PF_K=128, NS_PAD=64, JC=64),
+      4], 128),
     (["mla", "mla_absorb_kernel", dict(q=_F, kv_b="*fp8e4nv", s_kv=_F, qlat=_F, rows="i32", NH="constexpr",
                                        DN="constexpr", DV="constexpr", C="constexpr", ROWS_PAD="constexpr",
                                        BLOCK_C="constexpr", CK="constexpr"),
       dict(_MLA_C, ROWS_PAD=8, BLOCK_C=64, CK=64), 4], 128),
-    (["mla", "mla_out_kernel", dict(kv_b="*fp8e4nv", s_kv=_F, pm=_F, pl=_F, pacc=_F, ctx=_F, out=_F, rows="i32",
-                                    n_splits="i32", NH="constexpr", DN="constexpr", DV="constexpr", C="constexpr",
-                                    ROWS_PAD="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr",
-                                    PF_K="constexpr"),
-      dict(_MLA_C, ROWS_PAD=8, BLOCK_N=64, BLOCK_K=128, PF_K=128), 4], 128),
+    (["mla", "mla_out_kernel", dict(_OUT, kv_b="*fp8e4nv", s_kv=_F),
+      dict(_MLA_C, ROWS_PAD=8, BLOCK_N=64, BLOCK_K=128, PF_K=128, NS_PAD=128, JC=32), 4], 128),
     (["indexer", "idx_pool_kernel", dict(kraw=_B, graw=_B, ln_w=_B, ln_b=_B, ape=_B, tail=_F, pool_keys=_B,
                                          positions=_I, stride_pk="i32", eps="fp32", D="constexpr", KP="constexpr"),
       dict(D=128, KP=4), 4], 64),

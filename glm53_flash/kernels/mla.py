@@ -15,30 +15,29 @@ Three tasks, so each reads its bytes once:
 - attend (task = (row, HB heads, token split)): the latents are shared by all heads (MQA), so one task
   scores HB heads against each gathered latent tile with one product, s^T[BLOCK_T, HB] = c @ q~^T, and
   writes its partial (m [HB], l [HB], acc [HB, C] relative to m) to scratch. `mla_attend` keeps an
-  online softmax over whole [BLOCK_T, C] tiles (acc^T [C, HB] live); `mla_attend_2pass` works in
-  CK-wide column chunks (scores to a task scratch, then one acc chunk at a time), which is what keeps
-  the registers down (below). Tokens past the row's count (n_sel = KP * min(P, TOPK) + the tail) or
-  at -1 are masked; a split without tokens writes m = -inf, l = 0, acc = 0.
+  online softmax over whole [BLOCK_T, C] tiles (acc^T [C, HB] live; the reference form);
+  `mla_attend_tile`, the launches' form, takes one tile per task in CK-wide column chunks (scores in
+  registers, then one acc chunk at a time), which keeps both the registers and the dependent round
+  trips down. Tokens past the row's count (n_sel = KP * min(P, TOPK) + the tail) or at -1 are masked;
+  a split without tokens writes m = -inf, l = 0, acc = 0.
 - join + out (`mla_join_out`, task = (head, BLOCK_N output columns), all rows): prefetch the first W_UV,h
-  chunk (before the wait), join the splits of every row in split order s = 0, 1, ...:
-  M = max m_s, L = sum l_s e^(m_s - M), ctx = sum e^(m_s - M) acc_s / L, store ctx [rows, C] to the
-  task's scratch, CTA barrier, then o = W_UV,h ctx through gemv_finish / gemv_store (W_UV,h is row-major
-  [dv, C]: the GEMV family's layout). Join and projection share a task: no hop between them.
+  chunk (before the wait), join the splits of every row: M = max m_s, L = sum l_s e^(m_s - M),
+  ctx = sum (e^(m_s - M) / L) acc_s, the splits as one padded vector (fixed tree order), store ctx
+  [rows, C] to the task's scratch, CTA barrier, then o = W_UV,h ctx through gemv_finish / gemv_store
+  (W_UV,h is row-major [dv, C]: the GEMV family's layout). Join and projection share a task: no hop.
 
-The split (heads per task, tokens per task, number of splits, token tile) comes from the host-side
-`choose_attention_split`: enough tasks to fill the grid, the narrower token tile once there are more
-tasks than SMs (seed 002: occupancy hides the gather latency). The bits of a row depend on the split,
-so a launch chooses it from width-independent inputs (the index width, the launch's grid), never from
-the rows of a step: that keeps batch invariance (DESIGN.md §7).
+The split (heads per task, token tile = tokens per task, number of splits) comes from the host-side
+`choose_attention_split`: the smallest tile whose tasks fit the grid. The bits of a row depend on the
+split, so a launch chooses it from width-independent inputs (the index width, the launch's grid),
+never from the rows of a step: that keeps batch invariance (DESIGN.md §7).
 
 Registers (sm_90, Triton 3.6's bundled ptxas offline: tests/test_kernels_mla.py test_offline_sm90_registers;
 real shapes C = 512, HB = 16 heads, bf16 latents; (BLOCK_T, warps) -> registers, no spills unless said):
   online `mla_attend`:        (32, 4) 251, (32, 8) 210, (64, 8) 255 + 824 B spilled   - too heavy for a
                               persistent kernel whose families share the register count;
-  two-pass `mla_attend_2pass`: CK = 32: (32, 4) 93;  CK = 64: (16, 4) 96, (16, 8) 77, (32, 8) 142;
-                              CK = 128: (32, 8) 166, (32, 4) 255 + 120 B spilled.
-  So a launch should build the two-pass form with CK = 32..64 (the online form stays as the simple
-  reference and for narrow C). absorb (BLOCK_C 64, 4 warps) 60 (FP8 kv_b 62), join + out (BLOCK_N 64) 66 (72).
+  one-tile `mla_attend_tile`:  (HB 8, BLOCK_T 32, CK 64) 116, (HB 16, BLOCK_T 64, CK 32) 152 (att_chunk).
+  So a launch builds the one-tile chunked form (the online form stays as the simple
+  reference and for narrow C). absorb (BLOCK_C 64, 4 warps) 60 (FP8 kv_b 62); join + out: BUDGETS.
 
 Numerics: fp32 softmax and accumulation; latents bf16 or fp32 (fp32: tf32x3 products compiled, exact
 per-element product sums under the interpreter); every sum in a fixed order; a row never reads
@@ -55,11 +54,10 @@ Device API (constexprs in CAPS):
   w0 = mla_absorb_prefetch(kv_b, h, c0, DN, DV, C, BLOCK_C, CK)
   mla_absorb_finish(w0, kv_b, s_kv, q, stride_q, qlat, rows, h, c0, NH, DN, DV, C, ROWS_PAD, BLOCK_C, CK)
   mla_attend(qlat, idx, latent, pm, pl, pacc, h0, s, t0, t1, n_sel, n_splits, scale, NH, C, HB, BLOCK_T)
-  mla_attend_2pass(qlat, idx, latent, sbuf, pm, pl, pacc, h0, s, t0, t1, n_sel, n_splits, scale,
-                   NH, C, HB, BLOCK_T, CK)                # sbuf: task scratch [tokens_per_task, HB] fp32
+  mla_attend_tile(qlat, idx, latent, pm, pl, pacc, h0, s, t0, n_sel, n_splits, scale, NH, C, HB, BLOCK_T, CK)
   w0 = mla_out_prefetch(kv_b, h, n0, DN, DV, C, BLOCK_N, PF_K)
   mla_join_out(w0, kv_b, s_kv, pm, pl, pacc, stride_part, ctx, out, stride_o, rows, h, n0, n_splits,
-               NH, DN, DV, C, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
+               NH, DN, DV, C, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, NS_PAD, JC)   # join_chunk()
 """
 from __future__ import annotations
 
@@ -85,16 +83,16 @@ class AttentionSplit:
 
 
 def choose_attention_split(n_tokens: int, n_heads_rank: int, grid: int, sm_count: int, *,
-                           max_heads_per_task: int = 16, min_tokens_per_task: int = 128) -> AttentionSplit:
+                           max_heads_per_task: int = 16, block_ts: tuple = (32, 64, 128)) -> AttentionSplit:
     """Attention split for `n_tokens` selected tokens (pass the index width, 2051, not a row's count:
     the split must not depend on the step's rows), `n_heads_rank` heads of this rank, a launch of
     `grid` CTAs on `sm_count` SMs.
 
     Heads per task: the largest power of two <= max_heads_per_task dividing n_heads_rank (registers).
-    Splits: as many as fill the grid with one row's tasks, at least min_tokens_per_task tokens each
-    (a split costs a C-wide partial per head and a join term). Token tile: 32, or 16 when the tasks
-    outnumber the SMs (then several CTAs share an SM, and narrower tiles hide the gather latency; the
-    module docstring has the registers of each)."""
+    One token tile per task (mla_attend_tile): the smallest tile of block_ts whose tasks (head groups x
+    splits) fit the grid, else the largest. Narrower than 32 buys no time (a task is ~3 round trips
+    whatever its tile) and doubles the partials the join reads. sm_count: kept for the callers; the
+    choice depends only on the grid."""
     for name, v in (("n_tokens", n_tokens), ("n_heads_rank", n_heads_rank), ("grid", grid), ("sm_count", sm_count)):
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name}={v!r}: must be a positive integer")
@@ -102,11 +100,8 @@ def choose_attention_split(n_tokens: int, n_heads_rank: int, grid: int, sm_count
     while hb * 2 <= max_heads_per_task and n_heads_rank % (hb * 2) == 0:
         hb *= 2
     groups = n_heads_rank // hb
-    max_splits = max(1, -(-n_tokens // min_tokens_per_task))
-    splits = max(1, min(grid // groups, max_splits))
-    block_t = 16 if groups * splits > sm_count else 32
-    tpt = -(-(-(-n_tokens // splits)) // block_t) * block_t
-    return AttentionSplit(hb, block_t, tpt, -(-n_tokens // tpt))
+    block_t = next((t for t in block_ts if groups * -(-n_tokens // t) <= grid), block_ts[-1])
+    return AttentionSplit(hb, block_t, block_t, -(-n_tokens // block_t))
 
 
 # ---------------------------------------------------------------------------- absorb
@@ -227,55 +222,39 @@ def mla_attend(qlat, idx, latent, pm, pl, pacc, h0, s, t0, t1, n_sel, n_splits, 
 
 
 @triton.jit
-def mla_attend_2pass(qlat, idx, latent, sbuf, pm, pl, pacc, h0, s, t0, t1, n_sel, n_splits, scale,
-                     NH: tl.constexpr, C: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, CK: tl.constexpr):
-    """mla_attend in C-chunks (the same partials, other rounding), for registers: pass 1 scores each
-    [BLOCK_T, CK] latent piece against the matching q~ chunk (reloaded, L1-resident), keeps the max and
-    stores the raw scores to the task's scratch sbuf [t1 - t0 rounded up to BLOCK_T, HB] fp32; pass 2
-    runs one CK-wide column block of acc at a time over the tokens (p recomputed from sbuf, the latent
-    piece re-read: from L2). Live tiles are CK wide instead of C wide; the latents are read twice."""
+def mla_attend_tile(qlat, idx, latent, pm, pl, pacc, h0, s, t0, n_sel, n_splits, scale, NH: tl.constexpr,
+                    C: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, CK: tl.constexpr):
+    """Split s = the one token tile [t0, t0 + BLOCK_T) of heads [h0, h0 + HB): the same partials as
+    mla_attend over that tile, in CK-wide column chunks for registers. The tile's token ids load once;
+    pass 1 scores every [BLOCK_T, CK] latent chunk against the matching q~ chunk (the chunks' loads
+    independent of each other, so they are in flight together), the scores stay in registers; pass 2
+    re-reads each chunk (now in L1 / L2) for its acc chunk. One tile per task keeps a task at ~3
+    dependent round trips (ids, latent rows, the re-read): a multi-tile loop costs two per tile and
+    chunk (measured: 98 us for 4 tiles x 16 chunks on the H200)."""
     tl.static_assert(C % CK == 0, "CK must divide C")
     hl = tl.arange(0, HB)
     hh = h0 + hl
-    m = tl.full([HB], float("-inf"), dtype=tl.float32)
-    t1 = tl.minimum(t1, n_sel)
-    t = t0
-    while t < t1:
-        offs = t + tl.arange(0, BLOCK_T)
-        tok = tl.load(idx + offs, mask=offs < t1, other=-1, cache_modifier=".cg")
-        ok = tok >= 0
-        st = tl.zeros([BLOCK_T, HB], dtype=tl.float32)
-        for i in tl.static_range(C // CK):
-            cc = i * CK + tl.arange(0, CK)
-            lat = tl.load(latent + tl.maximum(tok, 0).to(tl.int64)[:, None] * C + cc[None, :], mask=ok[:, None],
-                          other=0.0)                                         # [BLOCK_T, CK]
-            qt = tl.load(qlat + hh[None, :] * C + cc[:, None], cache_modifier=".cg") * scale    # [CK, HB]
-            st = _dot_any(st, lat, qt)
-        st = tl.where(ok[:, None], st, float("-inf"))
-        tl.store(sbuf + (offs - t0)[:, None] * HB + hl[None, :], st)
-        m = tl.maximum(m, tl.max(st, axis=0))
-        t += BLOCK_T
-    tl.debug_barrier()                          # sbuf rows stored by every thread, read back by every warp
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.zeros([HB], dtype=tl.float32)
+    offs = t0 + tl.arange(0, BLOCK_T)
+    tok = tl.load(idx + offs, mask=offs < n_sel, other=-1, cache_modifier=".cg")
+    ok = tok >= 0
+    rowp = latent + tl.maximum(tok, 0).to(tl.int64)[:, None] * C
+    st = tl.zeros([BLOCK_T, HB], dtype=tl.float32)
     for i in tl.static_range(C // CK):
         cc = i * CK + tl.arange(0, CK)
-        acc = tl.zeros([CK, HB], dtype=tl.float32)
-        t = t0
-        while t < t1:
-            offs = t + tl.arange(0, BLOCK_T)
-            tok = tl.load(idx + offs, mask=offs < t1, other=-1, cache_modifier=".cg")
-            ok = tok >= 0
-            p = tl.exp(tl.load(sbuf + (offs - t0)[:, None] * HB + hl[None, :]) - m_safe[None, :])   # 0 where masked
-            if i == 0:
-                l += tl.sum(p, axis=0)
-            lat = tl.load(latent + tl.maximum(tok, 0).to(tl.int64)[:, None] * C + cc[None, :], mask=ok[:, None],
-                          other=0.0)
-            acc = _dot_any(acc, tl.trans(lat), p)                           # [CK, HB]
-            t += BLOCK_T
+        lat = tl.load(rowp + cc[None, :], mask=ok[:, None], other=0.0)                       # [BLOCK_T, CK]
+        qt = tl.load(qlat + hh[None, :] * C + cc[:, None], cache_modifier=".cg") * scale      # [CK, HB]
+        st = _dot_any(st, lat, qt)
+    st = tl.where(ok[:, None], st, float("-inf"))
+    m = tl.max(st, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp(st - m_safe[None, :])                                        # 0 where masked
+    for i in tl.static_range(C // CK):
+        cc = i * CK + tl.arange(0, CK)
+        lat = tl.load(rowp + cc[None, :], mask=ok[:, None], other=0.0)
+        acc = _dot_any(tl.zeros([CK, HB], dtype=tl.float32), tl.trans(lat), p)                # [CK, HB]
         tl.store(pacc + (hh[None, :] * n_splits + s) * C + cc[:, None], acc)
     tl.store(pm + hh * n_splits + s, m)
-    tl.store(pl + hh * n_splits + s, l)
+    tl.store(pl + hh * n_splits + s, tl.sum(p, axis=0))
 
 
 # ---------------------------------------------------------------------------- join + out
@@ -289,30 +268,32 @@ def mla_out_prefetch(kv_b, h, n0, DN: tl.constexpr, DV: tl.constexpr, C: tl.cons
 @triton.jit
 def mla_join_out(w0, kv_b, s_ptr, pm, pl, pacc, stride_part, ctx, out, stride_o, rows, h, n0, n_splits,
                  NH: tl.constexpr, DN: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, ROWS_PAD: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Join head h's splits for every row (split order 0, 1, ...), then out[r, h, n0:n0+BLOCK_N] =
-    W_UV,h ctx_r. pm/pl/pacc: row r's partials at + r * stride_part (mla_attend's layout); ctx: this
-    task's fp32 scratch [ROWS_PAD, C]; out [rows, NH, DV] with row stride stride_o. kv_b bf16, or FP8
-    with s_ptr its block scales (as mla_absorb_finish; FP8 needs PF_K == 128, BLOCK_K % 128 == 0)."""
-    c = tl.arange(0, C)
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 NS_PAD: tl.constexpr, JC: tl.constexpr):
+    """Join head h's splits for every row, then out[r, h, n0:n0+BLOCK_N] = W_UV,h ctx_r. pm/pl/pacc: row
+    r's partials at + r * stride_part (mla_attend's layout); ctx: this task's fp32 scratch [ROWS_PAD, C];
+    out [rows, NH, DV] with row stride stride_o. The splits load as one [NS_PAD] vector (NS_PAD >=
+    n_splits) and pacc as [NS_PAD, JC] column chunks, every chunk's loads independent: a few round trips
+    whatever the split count (a loop over the splits was two per split). Sums over the splits are
+    tl.sum's fixed tree over the padded axis (pads weigh 0): deterministic, and the same for any rows.
+    kv_b bf16, or FP8 with s_ptr its block scales (as mla_absorb_finish; FP8 needs PF_K == 128,
+    BLOCK_K % 128 == 0)."""
+    tl.static_assert(C % JC == 0, "JC must divide C")
+    sv = tl.arange(0, NS_PAD)
+    live = sv < n_splits
     r = 0
     while r < rows:
         base = r * stride_part + h * n_splits
-        M = tl.load(pm + base, cache_modifier=".cg")
-        s = 1
-        while s < n_splits:
-            M = tl.maximum(M, tl.load(pm + base + s, cache_modifier=".cg"))
-            s += 1
-        e = tl.exp(tl.load(pm + base, cache_modifier=".cg") - M)       # split 0 always holds the token pos
-        L = tl.load(pl + base, cache_modifier=".cg") * e
-        v = tl.load(pacc + base * C + c, cache_modifier=".cg") * e
-        s = 1
-        while s < n_splits:
-            e = tl.exp(tl.load(pm + base + s, cache_modifier=".cg") - M)
-            L += tl.load(pl + base + s, cache_modifier=".cg") * e
-            v += tl.load(pacc + (base + s) * C + c, cache_modifier=".cg") * e
-            s += 1
-        tl.store(ctx + r * C + c, v / L)
+        m_s = tl.load(pm + base + sv, mask=live, other=float("-inf"), cache_modifier=".cg")
+        M = tl.max(m_s, axis=0)                                  # split 0 always holds the token pos: finite
+        e = tl.exp(m_s - M)                                      # 0 for pads and empty splits
+        L = tl.sum(tl.load(pl + base + sv, mask=live, other=0.0, cache_modifier=".cg") * e, axis=0)
+        w = e / L
+        for i in tl.static_range(C // JC):
+            cc = i * JC + tl.arange(0, JC)
+            a = tl.load(pacc + (base + sv)[:, None] * C + cc[None, :], mask=live[:, None], other=0.0,
+                        cache_modifier=".cg")                     # [NS_PAD, JC]
+            tl.store(ctx + r * C + cc, tl.sum(a * w[:, None], axis=0))
         r += 1
     tl.debug_barrier()                          # ctx rows stored by every thread, read back by every warp
     w_uv = kv_b + (h.to(tl.int64) * (DN + DV) + DN) * C
@@ -333,11 +314,11 @@ def mla_absorb_kernel(q, kv_b, s_kv, qlat, rows, NH: tl.constexpr, DN: tl.conste
 
 
 @triton.jit
-def mla_attend_kernel(qlat, idx, latent, positions, pm, pl, pacc, sbuf, stride_lat, width, n_splits, tpt, scale, TOPK,
+def mla_attend_kernel(qlat, idx, latent, positions, pm, pl, pacc, stride_lat, width, n_splits, tpt, scale, TOPK,
                       NH: tl.constexpr, C: tl.constexpr, KP: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr,
                       CK: tl.constexpr):
-    """Grid (rows, NH // HB, n_splits): one attend task; slot = row. CK < C: the two-pass form, with a
-    task-private score scratch sbuf [tpt, HB] per task."""
+    """Grid (rows, NH // HB, n_splits): one attend task; slot = row. CK < C: the one-tile chunked form
+    (tpt == BLOCK_T)."""
     r = tl.program_id(0)
     h0 = tl.program_id(1) * HB
     s = tl.program_id(2)
@@ -350,23 +331,35 @@ def mla_attend_kernel(qlat, idx, latent, positions, pm, pl, pacc, sbuf, stride_l
                    pacc + part.to(tl.int64) * C, h0, s, s * tpt, s * tpt + tpt, n_sel, n_splits, scale, NH, C, HB,
                    BLOCK_T)
     else:
-        task = (r * tl.num_programs(1) + tl.program_id(1)) * n_splits + s
-        mla_attend_2pass(qlat + r * NH * C, idx + r * width, latent + r.to(tl.int64) * stride_lat,
-                         sbuf + task.to(tl.int64) * tpt * HB, pm + part, pl + part, pacc + part.to(tl.int64) * C,
-                         h0, s, s * tpt, s * tpt + tpt, n_sel, n_splits, scale, NH, C, HB, BLOCK_T, CK)
+        mla_attend_tile(qlat + r * NH * C, idx + r * width, latent + r.to(tl.int64) * stride_lat, pm + part,
+                        pl + part, pacc + part.to(tl.int64) * C, h0, s, s * tpt, n_sel, n_splits, scale, NH, C, HB,
+                        BLOCK_T, CK)
 
 
 @triton.jit
 def mla_out_kernel(kv_b, s_kv, pm, pl, pacc, ctx, out, rows, n_splits, NH: tl.constexpr, DN: tl.constexpr,
                    DV: tl.constexpr, C: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PF_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NS_PAD: tl.constexpr, JC: tl.constexpr):
     """Grid (NH, DV // BLOCK_N): one join + out task, all rows; ctx scratch per task."""
     h = tl.program_id(0)
     nb = tl.program_id(1)
     w0 = mla_out_prefetch(kv_b, h, nb * BLOCK_N, DN, DV, C, BLOCK_N, PF_K)
     task = h * tl.num_programs(1) + nb
     mla_join_out(w0, kv_b, s_kv, pm, pl, pacc, NH * n_splits, ctx + task * ROWS_PAD * C, out, NH * DV, rows, h,
-                 nb * BLOCK_N, n_splits, NH, DN, DV, C, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, 2)
+                 nb * BLOCK_N, n_splits, NH, DN, DV, C, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, 2, NS_PAD, JC)
+
+
+def att_chunk(block_t: int, C: int) -> int:
+    """CK of mla_attend_tile for a BLOCK_T tile: [BLOCK_T, CK] latent chunks of 2048 values (measured
+    offline, 4 warps: (32, 64) 116 registers, (64, 32) 152; (32, 32) spilled 4 B at 72)."""
+    return max(1, min(C, 2048 // block_t))
+
+
+def join_chunk(n_splits: int, C: int) -> tuple[int, int]:
+    """(NS_PAD, JC) of mla_join_out for n_splits: the padded split axis, and the column chunk that keeps
+    one [NS_PAD, JC] fp32 tile at 4096 values (32 registers a thread at 4 warps)."""
+    ns_pad = triton.next_power_of_2(max(n_splits, 2))
+    return ns_pad, max(1, min(C, 4096 // ns_pad))
 
 
 # ---------------------------------------------------------------------------- host wrapper (tests)
@@ -376,13 +369,16 @@ def mla_decode(q, kv_b, latent, idx, positions, cfg, split: AttentionSplit, *, r
 
     q [rows, nh, dn] (bf16/fp32); kv_b [nh (dn + dv), C] bf16; latent [rows, max_len, C] (row r's slot,
     bf16/fp32); idx [rows, WIDTH] int32 (indexer selection, -1 padded); positions [rows] int32.
-    chunk_c: None for the online-softmax attend task, else the two-pass task's column chunk CK.
+    chunk_c: None for the online-softmax attend task, else the one-tile task's column chunk CK (then
+    split.tokens_per_task must equal split.block_t).
     kv_b FP8 e4m3: kv_b_scale its fp32 block scales (fp8.quantize_fp8's grid).
     Returns dict: out [rows, nh, dv] fp32, qlat, pm, pl, pacc (partials), all NaN-poisoned first."""
     rows, nh, dn = q.shape
     C, dv = latent.shape[-1], cfg.v_head_dim
     if nh % split.heads_per_task or split.tokens_per_task % split.block_t or rows > rows_pad:
         raise ValueError(f"bad split {split} for {nh} heads / rows {rows} > rows_pad {rows_pad}")
+    if chunk_c is not None and split.tokens_per_task != split.block_t:
+        raise ValueError(f"split {split}: the chunked attend task takes one tile (tokens_per_task == block_t)")
     if split.tokens_per_task * split.n_splits < idx.shape[1]:
         raise ValueError(f"split {split} covers fewer than the {idx.shape[1]} index slots")
     if C % block_c or dv % block_n:
@@ -398,12 +394,13 @@ def mla_decode(q, kv_b, latent, idx, positions, cfg, split: AttentionSplit, *, r
     mla_absorb_kernel[(nh, C // block_c)](q, kv_b, s_kv, o["qlat"], rows, NH=nh, DN=dn, DV=dv, C=C,
                                           ROWS_PAD=rows_pad, BLOCK_C=block_c, CK=ck)
     grid = (rows, nh // split.heads_per_task, S)
-    sbuf = torch.full((rows * grid[1] * S * split.tokens_per_task * split.heads_per_task,), nan, device=dev)
     mla_attend_kernel[grid](
-        o["qlat"], idx, latent, positions, o["pm"], o["pl"], o["pacc"], sbuf, latent.stride(0), idx.shape[1], S,
+        o["qlat"], idx, latent, positions, o["pm"], o["pl"], o["pacc"], latent.stride(0), idx.shape[1], S,
         split.tokens_per_task, cfg.qk_head_dim ** -0.5, cfg.index_topk_pools, NH=nh, C=C, KP=cfg.index_kpool,
         HB=split.heads_per_task, BLOCK_T=split.block_t, CK=chunk_c or C)
     pf = min(C, 128)
+    ns_pad, jc = join_chunk(S, C)
     mla_out_kernel[(nh, dv // block_n)](kv_b, s_kv, o["pm"], o["pl"], o["pacc"], ctx, o["out"], rows, S, NH=nh, DN=dn,
-                                        DV=dv, C=C, ROWS_PAD=rows_pad, BLOCK_N=block_n, BLOCK_K=pf, PF_K=pf)
+                                        DV=dv, C=C, ROWS_PAD=rows_pad, BLOCK_N=block_n, BLOCK_K=pf, PF_K=pf,
+                                        NS_PAD=ns_pad, JC=jc)
     return o

@@ -52,7 +52,7 @@ import triton
 from layout import Planner
 
 from ..kernels.indexer import topk_passes
-from ..kernels.mla import AttentionSplit, choose_attention_split
+from ..kernels.mla import AttentionSplit, att_chunk, choose_attention_split, join_chunk
 from ..schedule import TaskGraph
 from .kda import KdaLaunch
 from .base import check_rank_width
@@ -122,7 +122,7 @@ class SparseLaunch(KdaLaunch):
             sm = device_sm_count(self.device)
         self.split = split or choose_attention_split(self.WIDTH, self.NHA, self.grid, sm)
         sp = self.split
-        if self.NHA % sp.heads_per_task or sp.tokens_per_task % sp.block_t or sp.tokens_per_task * sp.n_splits < self.WIDTH:
+        if self.NHA % sp.heads_per_task or sp.tokens_per_task != sp.block_t or sp.tokens_per_task * sp.n_splits < self.WIDTH:
             raise ValueError(f"{k}: attention split {sp} does not fit {self.NHA} heads / {self.WIDTH} indices")
         self._load_weights_recorded(source, scales)
         self._setup_xchg(xchg)
@@ -296,7 +296,6 @@ class SparseLaunch(KdaLaunch):
         pl.rows("pm", (W, NH, sp.n_splits), f32)
         pl.rows("pl", (W, NH, sp.n_splits), f32)
         pl.rows("pacc", (W, NH, sp.n_splits, C), f32)
-        pl.rows("sbuf", (self.grid, sp.tokens_per_task, sp.heads_per_task), f32)
         pl.rows("ctx", (self.grid, ROWS_PAD, C), f32)
         pl.rows("o_rows", (W, NH * self.DV), bf)
         self._plan_ffn_rows(pl)
@@ -335,12 +334,13 @@ class SparseLaunch(KdaLaunch):
                      BLOCK_N=self.block_n, BLOCK_K=self.block_k, PF_K=128, NUM_STAGES=self.num_stages,
                      BLOCK_C=self.block_c, GATE_BH=self.gate_bh, ITERS=cfg.hc_sinkhorn_iters, ROWS_PAD=ROWS_PAD,
                      ACT_F32=self.act_dtype == "float32", ABS_C=self.abs_c, ABS_CK=min(self.DN, 64),
-                     HB=sp.heads_per_task, BLOCK_T=sp.block_t, ATT_CK=min(self.C, 32), OUT_N=self.out_n,
+                     HB=sp.heads_per_task, BLOCK_T=sp.block_t, ATT_CK=att_chunk(sp.block_t, self.C), OUT_N=self.out_n,
                      OUT_PF=out_pf, BLOCK_P=self.block_p, T_MAX=self.t_max, BITS=self.bits, SEL_BLOCK=1024 if
                      self.device.type != "cpu" else 64, NORM_BLOCK=256 if self.device.type != "cpu" else 64,
                      E=self.E, KE=self.KE, I_E=self.I_E, E_PAD=triton.next_power_of_2(self.E),
                      K_PAD=triton.next_power_of_2(self.KE), RENORM=bool(cfg.norm_topk_prob), BLOCK_E=16, RCK=32,
-                     NEXTN=self.NEXTN, TRACE=self.trace_args()[1], KS_GU=self.ks_gu, KS_E=self.ks_e, KG=self.kg)
+                     NEXTN=self.NEXTN, TRACE=self.trace_args()[1], KS_GU=self.ks_gu, KS_E=self.ks_e, KG=self.kg,
+                     **dict(zip(("NS_PAD", "JC"), join_chunk(sp.n_splits, self.C))))
         return args, const
 
     # ------------------------------------------------------------------ run

@@ -1,7 +1,8 @@
 """The persistent kernel of the `sparse` launch (one DSA layer: sparse NoPE MLA + kpool indexer,
 then the MoE FFN, both inside mHC). Host side: launches/sparse.py. The mHC, o_proj and MoE families
 are the KDA layer kernel's: the same noinline task functions (launches/ffn.py), the same meta layout
-for their regions and boxes; the mixer branches are new (their GEMV tiles and row norms are calls). Stages (every hand-off is plain rows + a box; every wait a site `sparse.<region>`):
+for their regions and boxes; the DSA families (absorb .. join) are noinline task functions here, the GEMV
+tiles and row norms calls. Stages (every hand-off is plain rows + a box; every wait a site `sparse.<region>`):
   0 hc_pre     column tiles of the streams -> hc_pre partial slots                       -> hp1
   1 gate_in    [hp1] gate row a_in (bf16); coef1 task: Sinkhorn -> coef1 (hc_post waits cf1) -> a_in, cf1
   2 qkv_a      [a_in] GEMV tiles of q_a (QL) | kv_a (C) | wk, kpool gate, weights_proj -> ya (fp32)
@@ -12,7 +13,7 @@ for their regions and boxes; the mixer branches are new (their GEMV tiles and ro
     score      [q] (row, pool chunk t): pool scores, then radix pass 0 of the top-k          -> hs0
   6-8 hist     [hs(j-1)] (row, t): radix pass j = 1..3 (nothing while P <= TOPK)            -> hs(j)
   9 select     [hs3] (row, t): selected pools -> token indices (ascending) + tail, -1 pad   -> idx
- 10 attend     [idx, ql] (row, head group, token split): two-pass split softmax partials     -> att
+ 10 attend     [idx, ql] (row, head group, token tile): split softmax partials of the tile   -> att
  11 join       [att] (head, DV tile): split join + W_UV -> o (bf16)                           -> o
  12 o_proj     [o] as the KDA launch (TP 1: hc_post + FFN hc_pre partials -> hp2; TP > 1: xo, o_sum)
  13.. gate_ffn, moe_route (router, shared gate|up), experts, down (+ down_sum): the KDA launch's MoE.
@@ -28,7 +29,7 @@ import triton.language as tl
 from sync.device import const_word, launch_begin, launch_end, trace_clock, trace_cycles, trace_store
 
 from ..kernels.indexer import idx_score_pools, topk_hist_pass, topk_write
-from ..kernels.mla import mla_absorb_finish, mla_absorb_prefetch, mla_attend_2pass, mla_join_out, mla_out_prefetch
+from ..kernels.mla import mla_absorb_finish, mla_absorb_prefetch, mla_attend_tile, mla_join_out, mla_out_prefetch
 from .ffn import (B_A, B_AIN, B_HP2, B_O, COMMON_BOXES, COMMON_ROWS, M_A, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO,
                   M_XMID, act_at, coef_task, f32_at, gate_task, hc_pre_task, i32_at, l2_prefetch_rows, meta_layout,
                   oproj_task, peer_task, post1_task, signal, task_entry, waitb)
@@ -40,14 +41,141 @@ FAMILIES = with_ffn_families({"part": 0, "gate1": 1, "mat_a": 2, "dsa_norm": 3, 
                                "coef1": 14, "coef2": 15,
                                "peer_o": 19, "peer_d": 20, "eh_in": 21, "eh": 22, "ln_row": 23})
 BOXES = COMMON_BOXES + ("ya", "qr", "q", "ql", "hs0", "hs1", "hs2", "hs3", "idx", "att", "ein", "x", "z")
-ROWS_REGIONS = COMMON_ROWS + ("ya", "qr_rows", "yq", "qlat", "scores", "hist", "idx_rows", "pm", "pl", "pacc", "sbuf",
+ROWS_REGIONS = COMMON_ROWS + ("ya", "qr_rows", "yq", "qlat", "scores", "hist", "idx_rows", "pm", "pl", "pacc",
                               "ctx", "ein_rows", "x0")
 META, META_WORDS = meta_layout(BOXES, ROWS_REGIONS)
 
 (B_YA, B_QR, B_Q, B_QL, B_HS0, B_HS1, B_HS2, B_HS3, B_IDX, B_ATT, B_EIN, B_X, B_Z) = (
     tl.constexpr(BOXES.index(n)) for n in BOXES[len(COMMON_BOXES):])
-(M_YA, M_QR, M_YQ, M_QLAT, M_SC, M_HIST, M_IDX, M_PM, M_PL, M_PACC, M_SBUF, M_CTX, M_EIN, M_X0) = (
+(M_YA, M_QR, M_YQ, M_QLAT, M_SC, M_HIST, M_IDX, M_PM, M_PL, M_PACC, M_CTX, M_EIN, M_X0) = (
     tl.constexpr(META[n]) for n in ROWS_REGIONS[len(COMMON_ROWS):])
+
+
+# ---------------------------------------------------------------------------------------------------------- DSA tasks
+# Each DSA family is a noinline function (its own PTX .func), as the mHC / FFN families are (launches/ffn.py):
+# inlined into the task loop, their index tensors and pointers stayed live across the whole loop and the
+# kernel body spilled its loop-carried values (sparse TP8 bf16: 304 B of spills). Each task: its wait(s),
+# its work, its publish; -> (ok, rdy).
+
+@triton.jit(noinline=True)
+def _absorb_task(kv_b, S_kvb, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site,
+                 NQ: tl.constexpr, NH: tl.constexpr, DN: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                 ROWS_PAD: tl.constexpr, ABS_C: tl.constexpr, ABS_CK: tl.constexpr):
+    """absorb: head a0, C tile a1 -> q~ = q_h W_UK,h (fp32); producer a2 of ql. W_UK's tile loads before the wait."""
+    w_uk = mla_absorb_prefetch(kv_b, a0, a1 * ABS_C, DN, DV, C, ABS_C, ABS_CK)
+    ok, rdy = waitb(scratch, meta, B_Q, rdy, pid, tag, hdr, timeout_ns)
+    if ok != 0:
+        mla_absorb_finish(w_uk, kv_b, S_kvb, f32_at(scratch, meta, M_YQ), NQ, f32_at(scratch, meta, M_QLAT),
+                          rows, a0, a1 * ABS_C, NH, DN, DV, C, ROWS_PAD, ABS_C, ABS_CK)
+        signal(scratch, meta, B_QL, a2, tag, fault_site)
+    return ok, rdy
+
+
+@triton.jit(noinline=True)
+def _score_task(positions, slots, pool_keys, pk_ss, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, rdy, pid, tag,
+                hdr, timeout_ns, fault_site, NA: tl.constexpr, NQ: tl.constexpr, NH: tl.constexpr, DN: tl.constexpr,
+                QL: tl.constexpr, C: tl.constexpr, DI: tl.constexpr, NI: tl.constexpr, KP: tl.constexpr,
+                TOPK: tl.constexpr, T_MAX: tl.constexpr, BITS: tl.constexpr, SEL_BLOCK: tl.constexpr,
+                BLOCK_P: tl.constexpr, HIST_W: tl.constexpr):
+    """score: row a0, pool chunk a1: the chunk's pool scores, then radix pass 0 of the top-k over them;
+    producer a2 of hs0."""
+    ok, rdy = waitb(scratch, meta, B_Q, rdy, pid, tag, hdr, timeout_ns)
+    if ok != 0:
+        if a0 < rows:
+            pos = tl.load(positions + a0)
+            slot = tl.load(slots + a0).to(tl.int64)
+            P = (pos + 1) // KP
+            sc = f32_at(scratch, meta, M_SC) + a0 * pmax
+            yq_r = f32_at(scratch, meta, M_YQ) + a0 * NQ
+            idx_score_pools(yq_r + NH * DN, f32_at(scratch, meta, M_YA) + a0 * NA + QL + C + 2 * DI,
+                            pool_keys + slot * pk_ss, sc, a1 * sel_chunk,
+                            tl.minimum(a1 * sel_chunk + sel_chunk, P), NI, DI, BLOCK_P)
+            if (P > TOPK) & (a1 < tl.cdiv(P, sel_chunk)):
+                tl.debug_barrier()                         # own score stores before the pass reads them
+                topk_hist_pass(sc, i32_at(scratch, meta, M_HIST) + a0 * HIST_W, a1, 0, sel_chunk, P, TOPK,
+                               T_MAX, BITS, SEL_BLOCK)
+        signal(scratch, meta, B_HS0, a2, tag, fault_site)
+    return ok, rdy
+
+
+@triton.jit(noinline=True)
+def _hist_task(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns,
+               fault_site, KP: tl.constexpr, TOPK: tl.constexpr, T_MAX: tl.constexpr, BITS: tl.constexpr,
+               SEL_BLOCK: tl.constexpr, HIST_W: tl.constexpr):
+    """hist: row a0, chunk a1, radix pass a2 (1..3; nothing while P <= TOPK); producer a3 of hs(a2)."""
+    ok, rdy = waitb(scratch, meta, B_HS0 + a2 - 1, rdy, pid, tag, hdr, timeout_ns)
+    if ok != 0:
+        if a0 < rows:
+            P = (tl.load(positions + a0) + 1) // KP
+            if (P > TOPK) & (a1 < tl.cdiv(P, sel_chunk)):
+                topk_hist_pass(f32_at(scratch, meta, M_SC) + a0 * pmax, i32_at(scratch, meta, M_HIST) +
+                               a0 * HIST_W, a1, a2, sel_chunk, P, TOPK, T_MAX, BITS, SEL_BLOCK)
+        signal(scratch, meta, B_HS0 + a2, a3, tag, fault_site)
+    return ok, rdy
+
+
+@triton.jit(noinline=True)
+def _select_task(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns,
+                 fault_site, KP: tl.constexpr, TOPK: tl.constexpr, WIDTH: tl.constexpr, T_MAX: tl.constexpr,
+                 BITS: tl.constexpr, SEL_BLOCK: tl.constexpr, HIST_W: tl.constexpr):
+    """select: row a0, chunk a1: its selected pools -> token indices (ascending) + the tail, -1 pad;
+    producer a2 of idx."""
+    ok, rdy = waitb(scratch, meta, B_HS3, rdy, pid, tag, hdr, timeout_ns)
+    if ok != 0:
+        if a0 < rows:
+            pos = tl.load(positions + a0)
+            P = (pos + 1) // KP
+            if a1 < tl.maximum(tl.cdiv(P, sel_chunk), 1):
+                topk_write(f32_at(scratch, meta, M_SC) + a0 * pmax, i32_at(scratch, meta, M_HIST) + a0 * HIST_W,
+                           i32_at(scratch, meta, M_IDX) + a0 * WIDTH, a1, sel_chunk, P, pos, TOPK, KP, WIDTH,
+                           T_MAX, BITS, SEL_BLOCK)
+        signal(scratch, meta, B_IDX, a2, tag, fault_site)
+    return ok, rdy
+
+
+@triton.jit(noinline=True)
+def _attend_task(positions, slots, latent, lat_ss, scratch, meta, rows, n_splits, tpt, att_scale, a0, a1, a2, a3, rdy,
+                 pid, tag, hdr, timeout_ns, fault_site, NH: tl.constexpr, C: tl.constexpr, KP: tl.constexpr,
+                 TOPK: tl.constexpr, WIDTH: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr,
+                 ATT_CK: tl.constexpr):
+    """attend: row a0, head group a1, split a2 = token tile [a2 tpt, a2 tpt + BLOCK_T): split-softmax
+    partials over those selected latent rows (tpt == BLOCK_T: one tile a task); producer a3 of att."""
+    ok, rdy = waitb(scratch, meta, B_IDX, rdy, pid, tag, hdr, timeout_ns)
+    if ok != 0:
+        ok, rdy = waitb(scratch, meta, B_QL, rdy, pid, tag, hdr, timeout_ns)
+    if ok != 0:
+        if a0 < rows:
+            pos = tl.load(positions + a0)
+            slot = tl.load(slots + a0).to(tl.int64)
+            P = (pos + 1) // KP
+            n_sel = tl.minimum(P, TOPK) * KP + pos + 1 - P * KP
+            part = a0 * NH * n_splits
+            mla_attend_tile(f32_at(scratch, meta, M_QLAT) + a0 * NH * C, i32_at(scratch, meta, M_IDX) + a0 * WIDTH,
+                            latent + slot * lat_ss, f32_at(scratch, meta, M_PM) + part,
+                            f32_at(scratch, meta, M_PL) + part, f32_at(scratch, meta, M_PACC) + part * C,
+                            a1 * HB, a2, a2 * tpt, n_sel, n_splits, att_scale, NH, C, HB, BLOCK_T, ATT_CK)
+        signal(scratch, meta, B_ATT, a3, tag, fault_site)
+    return ok, rdy
+
+
+@triton.jit(noinline=True)
+def _join_task(kv_b, S_kvb, scratch, meta, rows, n_splits, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site,
+               NH: tl.constexpr, DN: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, ROWS_PAD: tl.constexpr,
+               OUT_N: tl.constexpr, OUT_PF: tl.constexpr, ACT_F32: tl.constexpr, NS_PAD: tl.constexpr,
+               JC: tl.constexpr):
+    """join: head a0, DV tile a1: the splits joined in a fixed order, then W_UV -> o (bf16); producer a2
+    of o. W_UV's tile loads before the wait."""
+    DO: tl.constexpr = NH * DV
+    w_uv = mla_out_prefetch(kv_b, a0, a1 * OUT_N, DN, DV, C, OUT_N, OUT_PF)
+    ok, rdy = waitb(scratch, meta, B_ATT, rdy, pid, tag, hdr, timeout_ns)
+    if ok != 0:
+        tl.debug_barrier()                                 # the CTA's ctx scratch is free (earlier task done)
+        mla_join_out(w_uv, kv_b, S_kvb, f32_at(scratch, meta, M_PM), f32_at(scratch, meta, M_PL),
+                     f32_at(scratch, meta, M_PACC), NH * n_splits, f32_at(scratch, meta, M_CTX) +
+                     pid * ROWS_PAD * C, act_at(scratch, meta, M_ON, ACT_F32), DO, rows, a0, a1 * OUT_N,
+                     n_splits, NH, DN, DV, C, ROWS_PAD, OUT_N, OUT_PF, OUT_PF, 2, NS_PAD, JC)   # 2 stages: registers
+        signal(scratch, meta, B_O, a2, tag, fault_site)
+    return ok, rdy
 
 
 @triton.jit
@@ -81,7 +209,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         NORM_BLOCK: tl.constexpr, E: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr,
                         E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
                         RCK: tl.constexpr, NEXTN: tl.constexpr, TRACE: tl.constexpr, KS_GU: tl.constexpr,
-                        KS_E: tl.constexpr, KG: tl.constexpr):
+                        KS_E: tl.constexpr, KG: tl.constexpr, NS_PAD: tl.constexpr, JC: tl.constexpr):
     pid = tl.program_id(0)
     DO: tl.constexpr = NH * DV
     PASSES: tl.constexpr = (32 + BITS - 1) // BITS
@@ -161,78 +289,26 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                 if ok != 0:
                     signal(scratch, meta, B_Q, a3, tag, fault_site)
             elif fam == 5:                                 # absorb: head a0, C tile a1, producer a2
-                w_uk = mla_absorb_prefetch(kv_b, a0, a1 * ABS_C, DN, DV, C, ABS_C, ABS_CK)
-                ok, rdy = waitb(scratch, meta, B_Q, rdy, pid, tag, hdr, timeout_ns)
-                if ok != 0:
-                    mla_absorb_finish(w_uk, kv_b, S_kvb, f32_at(scratch, meta, M_YQ), NQ, f32_at(scratch, meta, M_QLAT),
-                                      rows, a0, a1 * ABS_C, NH, DN, DV, C, ROWS_PAD, ABS_C, ABS_CK)
-                    signal(scratch, meta, B_QL, a2, tag, fault_site)
+                ok, rdy = _absorb_task(kv_b, S_kvb, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns,
+                                       fault_site, NQ, NH, DN, DV, C, ROWS_PAD, ABS_C, ABS_CK)
             elif fam == 6:                                 # score: row a0, pool chunk a1, producer a2
-                ok, rdy = waitb(scratch, meta, B_Q, rdy, pid, tag, hdr, timeout_ns)
-                if ok != 0:
-                    if a0 < rows:
-                        pos = tl.load(positions + a0)
-                        slot = tl.load(slots + a0).to(tl.int64)
-                        P = (pos + 1) // KP
-                        sc = f32_at(scratch, meta, M_SC) + a0 * pmax
-                        yq_r = f32_at(scratch, meta, M_YQ) + a0 * NQ
-                        idx_score_pools(yq_r + NH * DN, f32_at(scratch, meta, M_YA) + a0 * NA + QL + C + 2 * DI,
-                                        pool_keys + slot * pk_ss, sc, a1 * sel_chunk,
-                                        tl.minimum(a1 * sel_chunk + sel_chunk, P), NI, DI, BLOCK_P)
-                        if (P > TOPK) & (a1 < tl.cdiv(P, sel_chunk)):
-                            tl.debug_barrier()             # own score stores before the pass reads them
-                            topk_hist_pass(sc, i32_at(scratch, meta, M_HIST) + a0 * HIST_W, a1, 0, sel_chunk, P, TOPK,
-                                           T_MAX, BITS, SEL_BLOCK)
-                    signal(scratch, meta, B_HS0, a2, tag, fault_site)
+                ok, rdy = _score_task(positions, slots, pool_keys, pk_ss, scratch, meta, rows, pmax, sel_chunk, a0, a1,
+                                      a2, rdy, pid, tag, hdr, timeout_ns, fault_site, NA, NQ, NH, DN, QL, C, DI, NI, KP,
+                                      TOPK, T_MAX, BITS, SEL_BLOCK, BLOCK_P, HIST_W)
             elif fam == 7:                                 # hist: row a0, chunk a1, pass a2, producer a3
-                ok, rdy = waitb(scratch, meta, B_HS0 + a2 - 1, rdy, pid, tag, hdr, timeout_ns)
-                if ok != 0:
-                    if a0 < rows:
-                        P = (tl.load(positions + a0) + 1) // KP
-                        if (P > TOPK) & (a1 < tl.cdiv(P, sel_chunk)):
-                            topk_hist_pass(f32_at(scratch, meta, M_SC) + a0 * pmax, i32_at(scratch, meta, M_HIST) +
-                                           a0 * HIST_W, a1, a2, sel_chunk, P, TOPK, T_MAX, BITS, SEL_BLOCK)
-                    signal(scratch, meta, B_HS0 + a2, a3, tag, fault_site)
+                ok, rdy = _hist_task(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, a3, rdy, pid, tag, hdr,
+                                     timeout_ns, fault_site, KP, TOPK, T_MAX, BITS, SEL_BLOCK, HIST_W)
             elif fam == 8:                                 # select: row a0, chunk a1, producer a2
-                ok, rdy = waitb(scratch, meta, B_HS3, rdy, pid, tag, hdr, timeout_ns)
-                if ok != 0:
-                    if a0 < rows:
-                        pos = tl.load(positions + a0)
-                        P = (pos + 1) // KP
-                        if a1 < tl.maximum(tl.cdiv(P, sel_chunk), 1):
-                            topk_write(f32_at(scratch, meta, M_SC) + a0 * pmax, i32_at(scratch, meta, M_HIST) + a0 * HIST_W,
-                                       i32_at(scratch, meta, M_IDX) + a0 * WIDTH, a1, sel_chunk, P, pos, TOPK, KP, WIDTH,
-                                       T_MAX, BITS, SEL_BLOCK)
-                    signal(scratch, meta, B_IDX, a2, tag, fault_site)
+                ok, rdy = _select_task(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, rdy, pid, tag, hdr,
+                                       timeout_ns, fault_site, KP, TOPK, WIDTH, T_MAX, BITS, SEL_BLOCK, HIST_W)
             elif fam == 9:                                 # attend: row a0, head group a1, split a2, producer a3
-                ok, rdy = waitb(scratch, meta, B_IDX, rdy, pid, tag, hdr, timeout_ns)
-                if ok != 0:
-                    ok, rdy = waitb(scratch, meta, B_QL, rdy, pid, tag, hdr, timeout_ns)
-                if ok != 0:
-                    if a0 < rows:
-                        pos = tl.load(positions + a0)
-                        slot = tl.load(slots + a0).to(tl.int64)
-                        P = (pos + 1) // KP
-                        n_sel = tl.minimum(P, TOPK) * KP + pos + 1 - P * KP
-                        part = a0 * NH * n_splits
-                        tl.debug_barrier()                 # the CTA's score scratch is free (earlier task done)
-                        mla_attend_2pass(f32_at(scratch, meta, M_QLAT) + a0 * NH * C,
-                                         i32_at(scratch, meta, M_IDX) + a0 * WIDTH, latent + slot * lat_ss,
-                                         f32_at(scratch, meta, M_SBUF) + pid * tpt * HB, f32_at(scratch, meta, M_PM) + part,
-                                         f32_at(scratch, meta, M_PL) + part, f32_at(scratch, meta, M_PACC) + part * C,
-                                         a1 * HB, a2, a2 * tpt, a2 * tpt + tpt, n_sel, n_splits, att_scale, NH, C, HB,
-                                         BLOCK_T, ATT_CK)
-                    signal(scratch, meta, B_ATT, a3, tag, fault_site)
+                ok, rdy = _attend_task(positions, slots, latent, lat_ss, scratch, meta, rows, n_splits, tpt, att_scale,
+                                       a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, NH, C, KP, TOPK,
+                                       WIDTH, HB, BLOCK_T, ATT_CK)
             elif fam == 10:                                # join: head a0, DV tile a1, producer a2
-                w_uv = mla_out_prefetch(kv_b, a0, a1 * OUT_N, DN, DV, C, OUT_N, OUT_PF)
-                ok, rdy = waitb(scratch, meta, B_ATT, rdy, pid, tag, hdr, timeout_ns)
-                if ok != 0:
-                    tl.debug_barrier()                     # the CTA's ctx scratch is free (earlier task done)
-                    mla_join_out(w_uv, kv_b, S_kvb, f32_at(scratch, meta, M_PM), f32_at(scratch, meta, M_PL),
-                                 f32_at(scratch, meta, M_PACC), NH * n_splits, f32_at(scratch, meta, M_CTX) +
-                                 pid * ROWS_PAD * C, act_at(scratch, meta, M_ON, ACT_F32), DO, rows, a0, a1 * OUT_N,
-                                 n_splits, NH, DN, DV, C, ROWS_PAD, OUT_N, OUT_PF, OUT_PF, 2)   # 2 stages: 138 vs 168 regs
-                    signal(scratch, meta, B_O, a2, tag, fault_site)
+                ok, rdy = _join_task(kv_b, S_kvb, scratch, meta, rows, n_splits, a0, a1, a2, rdy, pid, tag, hdr,
+                                     timeout_ns, fault_site, NH, DN, DV, C, ROWS_PAD, OUT_N, OUT_PF, ACT_F32, NS_PAD,
+                                     JC)
             elif fam == 11:                                # oproj: tiles a0 .. a0 + a1 - 1, slot a2
                 ok, rdy = oproj_task(W_o, S_o, _mixer_in(X, scratch, meta, NEXTN), fn2, xo, scratch, meta, rows, width,
                                      tp_rank, tp_size, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, H, DO,
