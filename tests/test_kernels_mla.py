@@ -256,7 +256,7 @@ BUDGETS = [
     (["indexer", "topk_write_kernel", dict(scores=_F, hist=_I, out=_I, positions=_I, stride_s="i32", chunk="i32",
                                            TOPK="i32", WIDTH="i32", KP="constexpr", T_MAX="constexpr",
                                            BITS="constexpr", BLOCK="constexpr"),
-      dict(KP=4, T_MAX=16, BITS=8, BLOCK=1024), 4], 80),
+      dict(KP=4, T_MAX=16, BITS=8, BLOCK=1024), 4], 144),
 ]
 
 

@@ -43,8 +43,9 @@ The result is the reference's selection exactly (same order) whenever the scores
 
 Registers (sm_90, Triton 3.6's bundled ptxas offline: tests/test_kernels_mla.py test_offline_sm90_registers;
 4 warps, NH = 32, D = 128, no spills): pool task 32; scoring BLOCK_P = 64: 128 (117 at 8 warps; 32 -> 254);
-hist pass BITS = 8, BLOCK = 1024: 64 (BITS = 11: 168); write BITS = 8, T_MAX = 16, BLOCK = 1024: 72
-(512: 56; BITS = 11: 89). So BITS = 8 (4 passes) is the register-light default; 11 saves one hop.
+hist pass BITS = 8, BLOCK = 1024: 64; write BITS = 8, T_MAX = 16, BLOCK = 1024: 138 (the joins' [T_MAX, 2^BITS]
+histogram tiles; 72 while they walked the tasks row by row, at ~30x the round trips). BITS = 8 (4 passes):
+an 11-bit digit would make those tiles 8x larger.
 
 Layouts (per row; the caller offsets pointers to the row / slot):
   kraw, graw [D]       wk x and the kpool gate projection (bf16/fp32; GEMV outputs)
@@ -149,8 +150,10 @@ def _shift(j, BITS: tl.constexpr):
 def _radix_join(hist, n_pass, n_tasks, k, T_MAX: tl.constexpr, BITS: tl.constexpr):
     """Replay the joins of passes 0 .. n_pass-1. Returns (prefix: the chosen digits in unsigned-key
     bits, k_rem: keys still needed inside the chosen bin, gt [T_MAX]: per task keys above the bin,
-    eq [T_MAX]: per task keys in the last chosen bin). Integer sums only: exact, order-free. Walks
-    the tasks one histogram row at a time (live: a few [2^BITS] vectors, not [T_MAX, 2^BITS] tiles)."""
+    eq [T_MAX]: per task keys in the last chosen bin). Integer sums only: exact, order-free. A pass's
+    histograms of every task load as one [T_MAX, 2^BITS] tile (16 KB at 16 tasks, 8 bits): one round
+    trip a pass; walking the tasks one row at a time was two dependent loads per task and pass (the
+    select task's 38 us, measured on the H200)."""
     NB: tl.constexpr = 1 << BITS
     tt = tl.arange(0, T_MAX)
     d = tl.arange(0, NB)
@@ -160,22 +163,14 @@ def _radix_join(hist, n_pass, n_tasks, k, T_MAX: tl.constexpr, BITS: tl.constexp
     eq = tl.zeros([T_MAX], dtype=tl.int32)
     j = 0
     while j < n_pass:
-        row = hist + j * T_MAX * NB
-        tot = tl.zeros([NB], dtype=tl.int32)
-        t = 0
-        while t < n_tasks:
-            tot += tl.load(row + t * NB + d, cache_modifier=".cg")
-            t += 1
+        h = tl.load(hist + j * T_MAX * NB + tt[:, None] * NB + d[None, :], mask=(tt < n_tasks)[:, None], other=0,
+                    cache_modifier=".cg")                                  # [T_MAX, NB]
+        tot = tl.sum(h, axis=0)
         incl = tl.sum(tot, axis=0) - tl.cumsum(tot, axis=0) + tot           # count of digits >= d
         dstar = tl.sum((incl >= k_rem).to(tl.int32), axis=0) - 1
         k_rem -= tl.sum(tl.where(d > dstar, tot, 0), axis=0)
-        eq = tl.zeros([T_MAX], dtype=tl.int32)
-        t = 0
-        while t < n_tasks:
-            h = tl.load(row + t * NB + d, cache_modifier=".cg")
-            gt += tl.where(tt == t, tl.sum(tl.where(d > dstar, h, 0), axis=0), 0)
-            eq += tl.where(tt == t, tl.sum(tl.where(d == dstar, h, 0), axis=0), 0)
-            t += 1
+        gt += tl.sum(tl.where(d[None, :] > dstar, h, 0), axis=1)
+        eq = tl.sum(tl.where(d[None, :] == dstar, h, 0), axis=1)
         prefix = prefix | (dstar << _shift(j, BITS))
         j += 1
     return prefix, k_rem, gt, eq
