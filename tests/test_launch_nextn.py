@@ -42,14 +42,19 @@ def mtp_visible_equal(a, b, positions, kp):
     return all(torch.equal(a.tensors()[f][:, :d], b.tensors()[f][:, :d]) for f in ("latent", "pool_keys", "tail_rows"))
 
 
-@pytest.mark.parametrize("lengths, width", [([6], 1), ([27, 21], 2)], ids=["dense-w1", "sparse-w2"])
-def test_nextn_vs_reference(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, lengths, width):
+@pytest.mark.parametrize("lengths, width, kg", [([6], 1, None), ([27, 21], 2, None), ([27, 21], 2, 3)],
+                         ids=["dense-w1", "sparse-w2", "sparse-w2-down-groups"])
+def test_nextn_vs_reference(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch, lengths, width, kg):
+    # down-groups: the down tiles' expert GEMVs in KG = KE + 1 groups joined by down_join, which then
+    # publishes z at TP 1 (the real shapes' TP 1 build; box z once waited for the down tiles instead)
+    if kg:
+        monkeypatch.setattr(NextnLaunch, "down_groups", kg)
     caches, hid, nt = make_mtp(tiny_cfg, tiny_ref, lengths, gen)
     cr, tr = caches.clone(), {}
     so = tiny_ref.nextn_step(cr, hid, nt, torch.tensor(lengths), trace=tr)
     ck = caches.clone()
     L = NextnLaunch(tiny_cfg, tiny_weights, width=width, max_len=MAX_LEN)
-    assert list(L.sites) == NextnLaunch.site_names(1)
+    assert L.kg == (kg or L.kg) and list(L.sites) == NextnLaunch.site_names(1, down_groups=L.kg)
     logits, tokens, n = L.run(hid, nt, *layer_caches(ck, caches.n_dsa), lengths)
     d = caches.n_dsa
     rows = len(lengths)

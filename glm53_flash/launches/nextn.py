@@ -106,12 +106,13 @@ class NextnLaunch(SparseLaunch):
         self.n_box["a"] = self.width
 
     def _graph_post(self, g) -> None:
-        # the tasks that finish z (down at TP 1, the rank sums at TP > 1) publish box z: number them
-        fam = "moe_down" if self.tp_size == 1 else "post2"
+        # the tasks that finish z publish box z (their a2 = producer index): the rank sums at TP > 1; at TP 1
+        # the down tiles, or the group joins when the down tiles are split into KG groups (kda.py)
+        fam = "post2" if self.tp_size > 1 else "down_join" if self.kg > 1 else "moe_down"
         k = 0
         for i, t in enumerate(g.tasks):
             if t.family == fam:
-                g.tasks[i] = dataclasses.replace(t, args=(t.args[0], t.args[1], k), writes=t.writes + ("z",))
+                g.tasks[i] = dataclasses.replace(t, args=t.args[:2] + (k,) + t.args[3:], writes=t.writes + ("z",))
                 k += 1
         self.n_box["z"] = k
         g.stage("ln_out")
