@@ -55,6 +55,8 @@ Layouts (per row; the caller offsets pointers to the row / slot):
 
 Device API (constexprs in CAPS):
   idx_pool_task(kraw, graw, ln_w, ln_b, ape, tail, pool_keys, pos, eps, D, KP)
+  (= idx_pool_prefetch(ln_w, ln_b, ape, tail, pos, D, KP), issued before a wait, then
+     idx_pool_finish(x, g, <its four tensors>, ape, tail, pool_keys, pos, eps, D, KP) on the raw rows)
   idx_score_pools(iq, w, pool_keys, scores, p0, p1, NH, D, BLOCK_P)
   topk_hist_pass(scores, hist, t, j, chunk, P, TOPK, T_MAX, BITS, BLOCK)    # j = 0 .. PASSES-1
   topk_write(scores, hist, out, t, chunk, P, pos, TOPK, KP, WIDTH, T_MAX, BITS, BLOCK)
@@ -74,30 +76,52 @@ _MIN_I32 = tl.constexpr(-2147483648)
 
 # ---------------------------------------------------------------------------- pool keys
 @triton.jit
-def idx_pool_task(kraw, graw, ln_w, ln_b, ape, tail, pool_keys, pos, eps, D: tl.constexpr, KP: tl.constexpr):
-    """LayerNorm'd key and gate of token `pos` -> tail row pos % KP; the pooled key when it completes
-    pool pos // KP. tail [KP, 2D] fp32 (the slot's ring), pool_keys [Pmax, D] (the slot's, any float)."""
+def idx_pool_prefetch(ln_w, ln_b, ape, tail, pos, D: tl.constexpr, KP: tl.constexpr):
+    """What the pool key task reads besides its raw row, all written before this launch (the LayerNorm
+    weights, ape, the slot's ring rows of the open pool's earlier tokens): issued before the caller's wait.
+    -> (ln_w, ln_b [D], old keys, old gates + ape [KP, D]; the ring rows only when pos completes its pool,
+    the fresh row's entries 0)."""
     c = tl.arange(0, D)
-    x = tl.load(kraw + c, cache_modifier=".cg").to(tl.float32)
+    j = tl.arange(0, KP)
+    ring = (j < KP - 1)[:, None] & (pos % KP == KP - 1)
+    old = tail + j[:, None] * 2 * D + c[None, :]
+    keys = tl.load(old, mask=ring, other=0.0)
+    z = tl.load(old + D, mask=ring, other=0.0) + tl.load(ape + j[:, None] * D + c[None, :]).to(tl.float32)
+    return tl.load(ln_w + c).to(tl.float32), tl.load(ln_b + c).to(tl.float32), keys, z
+
+
+@triton.jit
+def idx_pool_finish(x, g, lw, lb, keys, z, ape, tail, pool_keys, pos, eps, D: tl.constexpr, KP: tl.constexpr):
+    """The pool key task on the raw key x and gate g [D] fp32 (idx_pool_prefetch's outputs beside them)."""
+    c = tl.arange(0, D)
     mean = tl.sum(x, axis=0) / D
     xc = x - mean
     var = tl.sum(xc * xc, axis=0) / D
-    k = xc / tl.sqrt(var + eps) * tl.load(ln_w + c).to(tl.float32) + tl.load(ln_b + c).to(tl.float32)
-    g = tl.load(graw + c, cache_modifier=".cg").to(tl.float32)
+    k = xc / tl.sqrt(var + eps) * lw + lb
     slot = pos % KP
     tl.store(tail + slot * 2 * D + c, k)
     tl.store(tail + slot * 2 * D + D + c, g)
     if slot == KP - 1:
         j = tl.arange(0, KP)
         fresh = (j == KP - 1)[:, None]
-        old = tail + j[:, None] * 2 * D + c[None, :]                       # rows 0 .. KP-2 of the ring
-        keys = tl.where(fresh, k[None, :], tl.load(old, mask=~fresh, other=0.0))             # [KP, D]
-        z = tl.where(fresh, g[None, :], tl.load(old + D, mask=~fresh, other=0.0))
-        z = z + tl.load(ape + j[:, None] * D + c[None, :]).to(tl.float32)
+        keys = tl.where(fresh, k[None, :], keys)                                        # [KP, D]
+        z = tl.where(fresh, g[None, :] + tl.load(ape + (KP - 1) * D + c).to(tl.float32)[None, :], z)
         e = tl.exp(z - tl.max(z, axis=0)[None, :])
         p = e / tl.sum(e, axis=0)[None, :]
         pk = tl.sum(p * keys, axis=0)                                      # [D]
         tl.store(pool_keys + (pos // KP).to(tl.int64) * D + c, pk.to(pool_keys.dtype.element_ty))
+
+
+@triton.jit
+def idx_pool_task(kraw, graw, ln_w, ln_b, ape, tail, pool_keys, pos, eps, D: tl.constexpr, KP: tl.constexpr):
+    """LayerNorm'd key and gate of token `pos` -> tail row pos % KP; the pooled key when it completes
+    pool pos // KP. tail [KP, 2D] fp32 (the slot's ring), pool_keys [Pmax, D] (the slot's, any float).
+    One round trip: the prefetch's loads and the raw row's together."""
+    c = tl.arange(0, D)
+    lw, lb, keys, z = idx_pool_prefetch(ln_w, ln_b, ape, tail, pos, D, KP)
+    x = tl.load(kraw + c, cache_modifier=".cg").to(tl.float32)
+    g = tl.load(graw + c, cache_modifier=".cg").to(tl.float32)
+    idx_pool_finish(x, g, lw, lb, keys, z, ape, tail, pool_keys, pos, eps, D, KP)
 
 
 # ---------------------------------------------------------------------------- scores

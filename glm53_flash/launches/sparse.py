@@ -192,22 +192,30 @@ class SparseLaunch(KdaLaunch):
         s += (["dp"] if down_groups > 1 else []) + ["cf2"] + (["xd"] if tp_size > 1 else [])
         return [f"{cls.kind}.{n}" for n in s]
 
-    def _mat_stage(self, g, fam, mats, reads, box) -> None:
-        """GEMV tiles of several matrices (mat id, N) into one output: one task per tile range."""
+    def _mat_stage(self, g, fam, mats, reads, box, k_split: int = 1) -> None:
+        """GEMV tiles of several matrices (mat id, N, row bytes) into one output, times k_split K slices (each
+        slice its own partial plane, joined by the consumer in plane order): tile ranges of each matrix in
+        proportion to its tiles, about one task per CTA in all; args (mat, t0, n tiles, producer, K slice)."""
         G, BN = self.grid, self.block_n
         tiles = [-(-N // BN) for _, N, _ in mats]
-        per = [max(1, round(G * t / sum(tiles))) for t in tiles]
+        per = [min(t, -(-G * t // (sum(tiles) * k_split))) for t in tiles]
         slot = 0
-        for (mid, N, rb), t, n_tasks in zip(mats, tiles, per):
-            for (t0, n) in _ranges(t, min(n_tasks, t)):
-                rows_n = min((t0 + n) * BN, N) - t0 * BN
-                g.add(fam, (mid, t0, n, slot), reads=reads, writes=(box,), nbytes=rows_n * rb)
-                slot += 1
+        for ks in range(k_split):
+            for (mid, N, rb), t, n_tasks in zip(mats, tiles, per):
+                for (t0, n) in _ranges(t, n_tasks):
+                    rows_n = min((t0 + n) * BN, N) - t0 * BN
+                    g.add(fam, (mid, t0, n, slot, ks), reads=reads, writes=(box,), nbytes=rows_n * rb // k_split)
+                    slot += 1
         self.n_box[box] = slot
 
     def build_graph(self) -> TaskGraph:
         g = TaskGraph(self.kind, FAMILIES)
         self.n_box = {}
+        # qkv_a's K slices (one tile row of q_a | kv_a | the indexer's rows is 4096 x 2 B at TP 1 and TP 8: 37
+        # tiles of full K used 37 CTAs for 19 MB); from the shape only, so every grid and width joins the
+        # same planes (the same bits)
+        n_a = self.QL + self.C + 2 * self.DI + self.NI
+        self.ks_a = self.k_split_for(n_a, self.H, self.W_qa.element_size())
         if self.H % self.block_n:
             raise ValueError(f"{self.kind}: hidden size {self.H} must be a multiple of block_n={self.block_n}")
         self._graph_pre(g)
@@ -224,10 +232,10 @@ class SparseLaunch(KdaLaunch):
         wb = lambda t: t.element_size()                                            # noqa: E731
         g.stage("qkv_a")
         self._mat_stage(g, "mat_a", [(0, self.QL, H * wb(self.W_qa)), (1, self.C, H * wb(self.W_kva)),
-                                     (2, 2 * self.DI + self.NI, H * 2)], ("a_in",), "ya")
+                                     (2, 2 * self.DI + self.NI, H * 2)], ("a_in",), "ya", self.ks_a)
         g.stage("dsa_norm")
         for r in range(W):
-            g.add("dsa_norm", (r, r), reads=("ya",), writes=("qr",), nbytes=(self.QL + self.C) * 4)
+            g.add("dsa_norm", (r, r), reads=("ya",), writes=("qr",), nbytes=self.ks_a * self.NA * 4)
         self.n_box["qr"] = W
         g.stage("q_b")
         self._mat_stage(g, "mat_q", [(0, self.NHA * self.DN, self.QL * wb(self.W_qb)),
@@ -286,7 +294,7 @@ class SparseLaunch(KdaLaunch):
         self._plan_hc_rows(pl)
         pl.rows("a_in_rows", (W, H), bf)
         pl.rows("a_rows", (W, H), bf)
-        pl.rows("ya", (W, self.NA), f32)
+        pl.rows("ya", (self.ks_a, W, self.NA), f32)
         pl.rows("qr_rows", (W, self.QL), bf)
         pl.rows("yq", (W, self.NQ), f32)
         pl.rows("qlat", (W, NH, C), f32)
@@ -336,11 +344,13 @@ class SparseLaunch(KdaLaunch):
                      ACT_F32=self.act_dtype == "float32", ABS_C=self.abs_c, ABS_CK=min(self.DN, 64),
                      HB=sp.heads_per_task, BLOCK_T=sp.block_t, ATT_CK=att_chunk(sp.block_t, self.C), OUT_N=self.out_n,
                      OUT_PF=out_pf, BLOCK_P=self.block_p, T_MAX=self.t_max, BITS=self.bits, SEL_BLOCK=1024 if
-                     self.device.type != "cpu" else 64, NORM_BLOCK=256 if self.device.type != "cpu" else 64,
+                     self.device.type != "cpu" else 64, NORM_BLOCK=triton.next_power_of_2(self.H),
                      E=self.E, KE=self.KE, I_E=self.I_E, E_PAD=triton.next_power_of_2(self.E),
                      K_PAD=triton.next_power_of_2(self.KE), RENORM=bool(cfg.norm_topk_prob), BLOCK_E=16, RCK=32,
                      NEXTN=self.NEXTN, TRACE=self.trace_args()[1], KS_GU=self.ks_gu, KS_E=self.ks_e, KG=self.kg,
-                     **dict(zip(("NS_PAD", "JC"), join_chunk(sp.n_splits, self.C))))
+                     **dict(zip(("NS_PAD", "JC"), join_chunk(sp.n_splits, self.C))), KS_A=self.ks_a,
+                     Q_PAD=triton.next_power_of_2(self.QL), C_PAD=triton.next_power_of_2(self.C),
+                     NI_PAD=triton.next_power_of_2(self.NI))
         return args, const
 
     # ------------------------------------------------------------------ run

@@ -34,7 +34,7 @@ from .ffn import (B_A, B_AIN, B_HP2, B_O, COMMON_BOXES, COMMON_ROWS, M_A, M_AIN,
                   M_XMID, act_at, coef_task, f32_at, gate_task, hc_pre_task, i32_at, l2_prefetch_rows, meta_layout,
                   oproj_task, peer_task, post1_task, signal, task_entry, waitb)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
-from .mixer_dsa import dsa_norm_row, gemv_tiles, rms_row
+from .mixer_dsa import dsa_norm_finish, dsa_norm_prefetch, gemv_tiles, rms_row
 
 FAMILIES = with_ffn_families({"part": 0, "gate1": 1, "mat_a": 2, "dsa_norm": 3, "mat_q": 4, "absorb": 5, "score": 6,
                                "hist": 7, "select": 8, "attend": 9, "join": 10, "oproj": 11, "post1": 12, "gate2": 13,
@@ -56,6 +56,65 @@ META, META_WORDS = meta_layout(BOXES, ROWS_REGIONS)
 # inlined into the task loop, their index tensors and pointers stayed live across the whole loop and the
 # kernel body spilled its loop-carried values (sparse TP8 bf16: 304 B of spills). Each task: its wait(s),
 # its work, its publish; -> (ok, rdy).
+
+@triton.jit(noinline=True)
+def _mat_a_task(W_qa, S_qa, W_kva, S_kva, W_ix, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr,
+                timeout_ns, fault_site, H: tl.constexpr, QL: tl.constexpr, C: tl.constexpr, DI: tl.constexpr,
+                NI: tl.constexpr, NA: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr,
+                KS: tl.constexpr):
+    """mat_a: matrix a0 (q_a, kv_a, the indexer's wk | gate | weights_proj), tiles a1 .. a1 + a2 - 1, K slice
+    a4 of KS -> ya plane a4 ([KS, width, NA] fp32, joined by dsa_norm); producer a3. The first tile's
+    lines of the slice toward L2 before the wait."""
+    KL: tl.constexpr = H // KS
+    k0 = a4 * KL
+    if a0 == 0:
+        l2_prefetch_rows(W_qa + k0, a1 * BLOCK_N, QL, H, BLOCK_N)
+    elif a0 == 1:
+        l2_prefetch_rows(W_kva + k0, a1 * BLOCK_N, C, H, BLOCK_N)
+    else:
+        l2_prefetch_rows(W_ix + k0, a1 * BLOCK_N, 2 * DI + NI, H, BLOCK_N)
+    xin = act_at(scratch, meta, M_AIN, ACT_F32)
+    ya = f32_at(scratch, meta, M_YA) + a4 * width * NA
+    ok, rdy = waitb(scratch, meta, B_AIN, rdy, pid, tag, hdr, timeout_ns)
+    if ok != 0:
+        if a0 == 0:
+            gemv_tiles(W_qa, S_qa, xin, H, ya, NA, rows, a1, a2, k0, k0 + KL, QL, H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K,
+                       NUM_STAGES)
+        elif a0 == 1:
+            gemv_tiles(W_kva, S_kva, xin, H, ya + QL, NA, rows, a1, a2, k0, k0 + KL, C, H, ROWS_PAD, BLOCK_N, BLOCK_K,
+                       PF_K, NUM_STAGES)
+        else:
+            gemv_tiles(W_ix, W_ix, xin, H, ya + QL + C, NA, rows, a1, a2, k0, k0 + KL, 2 * DI + NI, H, ROWS_PAD,
+                       BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
+        signal(scratch, meta, B_YA, a3, tag, fault_site)
+    return ok, rdy
+
+
+@triton.jit(noinline=True)
+def _dsa_norm_task(positions, slots, latent, lat_ss, pool_keys, pk_ss, tail, tail_ss, qa_ln, kva_ln, kn_w, kn_b, ape,
+                   scratch, meta, rows, width, a0, a1, rdy, pid, tag, hdr, timeout_ns, fault_site, eps,
+                   QL: tl.constexpr, C: tl.constexpr, DI: tl.constexpr, NI: tl.constexpr, NA: tl.constexpr,
+                   KP: tl.constexpr, ACT_F32: tl.constexpr, KS: tl.constexpr, Q_PAD: tl.constexpr,
+                   C_PAD: tl.constexpr, NI_PAD: tl.constexpr):
+    """dsa_norm: row a0 (mixer_dsa.py dsa_norm_finish; a pad row writes nothing), producer a1 of qr. Its
+    weights and ring rows before the wait (a pad row's loads read row rows - 1's: valid, unused)."""
+    r = tl.minimum(a0, rows - 1)
+    pos = tl.load(positions + r)
+    slot = tl.load(slots + r).to(tl.int64)
+    ring = tail + slot * tail_ss
+    wq, wc, lw, lb, keys, z = dsa_norm_prefetch(qa_ln, kva_ln, kn_w, kn_b, ape, ring, pos, QL, C, DI, KP, Q_PAD, C_PAD)
+    ya_r = f32_at(scratch, meta, M_YA) + a0 * NA
+    qr_r = act_at(scratch, meta, M_QR, ACT_F32) + a0 * QL
+    ok, rdy = waitb(scratch, meta, B_YA, rdy, pid, tag, hdr, timeout_ns)
+    if ok != 0:
+        if a0 < rows:
+            dsa_norm_finish(ya_r, width * NA, wq, wc, lw, lb, keys, z, ape, qr_r,
+                            latent + slot * lat_ss + pos.to(tl.int64) * C, ring, pool_keys + slot * pk_ss, pos, eps,
+                            QL, C, DI, NI, KP, KS, Q_PAD, C_PAD, NI_PAD)
+        signal(scratch, meta, B_QR, a1, tag, fault_site)
+    return ok, rdy
+
 
 @triton.jit(noinline=True)
 def _absorb_task(kv_b, S_kvb, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site,
@@ -209,7 +268,8 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         NORM_BLOCK: tl.constexpr, E: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr,
                         E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
                         RCK: tl.constexpr, NEXTN: tl.constexpr, TRACE: tl.constexpr, KS_GU: tl.constexpr,
-                        KS_E: tl.constexpr, KG: tl.constexpr, NS_PAD: tl.constexpr, JC: tl.constexpr):
+                        KS_E: tl.constexpr, KG: tl.constexpr, NS_PAD: tl.constexpr, JC: tl.constexpr,
+                        KS_A: tl.constexpr, Q_PAD: tl.constexpr, C_PAD: tl.constexpr, NI_PAD: tl.constexpr):
     pid = tl.program_id(0)
     DO: tl.constexpr = NH * DV
     PASSES: tl.constexpr = (32 + BITS - 1) // BITS
@@ -238,39 +298,15 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                 if not NEXTN:
                     ok, rdy = gate_task(X, base1, scale1, ln1, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr,
                                         timeout_ns, fault_site, eps, hc_eps, False, H, ROWS_PAD, GATE_BH, ACT_F32)
-            elif fam == 2:                                 # mat_a: matrix a0 (q_a, kv_a, ix), tiles a1 .., producer a3
-                xin = act_at(scratch, meta, M_AIN, ACT_F32)
-                ya = f32_at(scratch, meta, M_YA)
-                if a0 == 0:                                # first tile toward L2, then one wait
-                    l2_prefetch_rows(W_qa, a1 * BLOCK_N, QL, H, BLOCK_N)
-                elif a0 == 1:
-                    l2_prefetch_rows(W_kva, a1 * BLOCK_N, C, H, BLOCK_N)
-                else:
-                    l2_prefetch_rows(W_ix, a1 * BLOCK_N, 2 * DI + NI, H, BLOCK_N)
-                ok, rdy = waitb(scratch, meta, B_AIN, rdy, pid, tag, hdr, timeout_ns)
-                if ok != 0:
-                    if a0 == 0:
-                        gemv_tiles(W_qa, S_qa, xin, H, ya, NA, rows, a1, a2, QL, H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K,
-                                   NUM_STAGES)
-                    elif a0 == 1:
-                        gemv_tiles(W_kva, S_kva, xin, H, ya + QL, NA, rows, a1, a2, C, H, ROWS_PAD, BLOCK_N, BLOCK_K,
-                                   PF_K, NUM_STAGES)
-                    else:
-                        gemv_tiles(W_ix, W_ix, xin, H, ya + QL + C, NA, rows, a1, a2, 2 * DI + NI, H, ROWS_PAD,
-                                   BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
-                if ok != 0:
-                    signal(scratch, meta, B_YA, a3, tag, fault_site)
+            elif fam == 2:                                 # mat_a: matrix a0, tiles a1 .. a1 + a2 - 1, producer a3, K slice a4
+                ok, rdy = _mat_a_task(W_qa, S_qa, W_kva, S_kva, W_ix, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy,
+                                      pid, tag, hdr, timeout_ns, fault_site, H, QL, C, DI, NI, NA, ROWS_PAD, BLOCK_N,
+                                      BLOCK_K, PF_K, NUM_STAGES, ACT_F32, KS_A)
             elif fam == 3:                                 # dsa_norm: row a0, producer a1
-                ok, rdy = waitb(scratch, meta, B_YA, rdy, pid, tag, hdr, timeout_ns)
-                if ok != 0:
-                    if a0 < rows:
-                        pos = tl.load(positions + a0)
-                        slot = tl.load(slots + a0).to(tl.int64)
-                        dsa_norm_row(f32_at(scratch, meta, M_YA) + a0 * NA, qa_ln, kva_ln, kn_w, kn_b, ape,
-                                     act_at(scratch, meta, M_QR, ACT_F32) + a0 * QL,
-                                     latent + slot * lat_ss + pos.to(tl.int64) * C, tail + slot * tail_ss,
-                                     pool_keys + slot * pk_ss, pos, eps, QL, C, DI, KP, NORM_BLOCK)
-                    signal(scratch, meta, B_QR, a1, tag, fault_site)
+                ok, rdy = _dsa_norm_task(positions, slots, latent, lat_ss, pool_keys, pk_ss, tail, tail_ss, qa_ln, kva_ln,
+                                         kn_w, kn_b, ape, scratch, meta, rows, width, a0, a1, rdy, pid, tag, hdr,
+                                         timeout_ns, fault_site, eps, QL, C, DI, NI, NA, KP, ACT_F32, KS_A, Q_PAD, C_PAD,
+                                         NI_PAD)
             elif fam == 4:                                 # mat_q: matrix a0 (q_b, wq_b), tiles a1 .., producer a3
                 xin = act_at(scratch, meta, M_QR, ACT_F32)
                 yq = f32_at(scratch, meta, M_YQ)
@@ -281,10 +317,10 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                 ok, rdy = waitb(scratch, meta, B_QR, rdy, pid, tag, hdr, timeout_ns)
                 if ok != 0:
                     if a0 == 0:
-                        gemv_tiles(W_qb, S_qb, xin, QL, yq, NQ, rows, a1, a2, NH * DN, QL, ROWS_PAD, BLOCK_N, BLOCK_K,
+                        gemv_tiles(W_qb, S_qb, xin, QL, yq, NQ, rows, a1, a2, 0, QL, NH * DN, QL, ROWS_PAD, BLOCK_N, BLOCK_K,
                                    PF_K, NUM_STAGES)
                     else:
-                        gemv_tiles(W_iqb, W_iqb, xin, QL, yq + NH * DN, NQ, rows, a1, a2, NI * DI, QL, ROWS_PAD,
+                        gemv_tiles(W_iqb, W_iqb, xin, QL, yq + NH * DN, NQ, rows, a1, a2, 0, QL, NI * DI, QL, ROWS_PAD,
                                    BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
                 if ok != 0:
                     signal(scratch, meta, B_Q, a3, tag, fault_site)
@@ -344,8 +380,8 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                     if a0 < rows:
                         ein = act_at(scratch, meta, M_EIN, ACT_F32) + a0 * 2 * H
                         tok = tl.load(tokens + a0).to(tl.int64)
-                        rms_row(embed_w + tok * H, enorm, ein, H, eps, NORM_BLOCK)          # embedding first
-                        rms_row(hid + a0 * H, hnorm, ein + H, H, eps, NORM_BLOCK)
+                        rms_row(embed_w + tok * H, enorm, ein, eps, H, NORM_BLOCK)          # embedding first
+                        rms_row(hid + a0 * H, hnorm, ein + H, eps, H, NORM_BLOCK)
                     signal(scratch, meta, B_EIN, a1, tag, fault_site)
             elif fam == 22:                                # eh (NextN): eh_proj tiles a1 .., producer a3
                 if NEXTN:
@@ -353,7 +389,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                     ok, rdy = waitb(scratch, meta, B_EIN, rdy, pid, tag, hdr, timeout_ns)
                     if ok != 0:
                         gemv_tiles(W_eh, W_eh, act_at(scratch, meta, M_EIN, ACT_F32), 2 * H, f32_at(scratch, meta, M_X0),
-                                   H, rows, a1, a2, H, 2 * H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
+                                   H, rows, a1, a2, 0, 2 * H, H, 2 * H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
                         signal(scratch, meta, B_X, a3, tag, fault_site)
             elif fam == 23:                                # ln_row (NextN): row a0, norm a1, producer a2
                 if NEXTN:
@@ -361,20 +397,20 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         ok, rdy = waitb(scratch, meta, B_X, rdy, pid, tag, hdr, timeout_ns)
                         if (ok != 0) & (a0 < rows):
                             rms_row(f32_at(scratch, meta, M_X0) + a0 * H, ln1, act_at(scratch, meta, M_AIN, ACT_F32) + a0 * H,
-                                    H, eps, NORM_BLOCK)
+                                    eps, H, NORM_BLOCK)
                         if ok != 0:
                             signal(scratch, meta, B_AIN, a2, tag, fault_site)
                     elif a1 == 1:                              # y -> a (post_attention_layernorm)
                         ok, rdy = waitb(scratch, meta, B_HP2, rdy, pid, tag, hdr, timeout_ns)
                         if (ok != 0) & (a0 < rows):
                             rms_row(f32_at(scratch, meta, M_XMID) + a0 * H, ln2, act_at(scratch, meta, M_A, ACT_F32) + a0 * H,
-                                    H, eps, NORM_BLOCK)
+                                    eps, H, NORM_BLOCK)
                         if ok != 0:
                             signal(scratch, meta, B_A, a2, tag, fault_site)
                     else:                                      # z -> n (shared_head.norm): the block's output row
                         ok, rdy = waitb(scratch, meta, B_Z, rdy, pid, tag, hdr, timeout_ns)
                         if (ok != 0) & (a0 < rows):
-                            rms_row(X_out + a0 * H, shn, n_out + a0 * H, H, eps, NORM_BLOCK)
+                            rms_row(X_out + a0 * H, shn, n_out + a0 * H, eps, H, NORM_BLOCK)
             if TRACE:
                 trace_store(trace, i, t_task, c_task, hdr, pid, i)
         i += 1
