@@ -242,6 +242,15 @@ def test_sparse_bad_inputs(tiny_cfg, tiny_weights, tiny_ref, gen):
     big = tiny_ref.new_caches(1, 2 * MAX_LEN)
     with pytest.raises(ValueError, match="max_len"):
         L.run(X[:1], *layer_caches(big, 0), [3])
+    # a slot stride the kernel's vector loads cannot take (a multiple of 8 elements, 16-byte aligned data):
+    # refused before any launch, the caches untouched
+    lat, pk, tail = layer_caches(caches, 0)
+    odd = torch.zeros(2, MAX_LEN * lat.shape[2] + 1)[:, :-1].view(2, MAX_LEN, lat.shape[2])
+    odd.copy_(lat)
+    before = [t.clone() for t in (odd, pk, tail)]
+    with pytest.raises(ValueError, match="latent's slot stride"):
+        L.run(X, odd, pk, tail, [3, 4])
+    assert all(torch.equal(a, b) for a, b in zip(before, (odd, pk, tail)))
 
 
 # ---------------------------------------------------------------------------- routing (tie-aware)

@@ -24,9 +24,10 @@ lower pool index, as torch's stable sort in the reference): a radix select on th
   pass j (j = 0 .. PASSES-1, digit = BITS bits of the unsigned key from the top; BITS 8 -> 4 passes,
          11 -> 3 passes of 11, 11, 10 bits): every selection task t histograms the digit of its pools
          whose higher digits equal the prefix chosen so far -> hist[j, t, :] (int32 counts).
-  join  (`_radix_join`, run redundantly by every task that needs it, no hop of its own): add the
+  join  (`_join_from`, run redundantly by every task that needs it, no hop of its own): add the
          task histograms (integers: exact in any order), take the highest digit whose count from the
-         top reaches the k still needed, subtract the count strictly above it. After the last pass the
+         top reaches the k still needed, subtract the count strictly above it; it starts from the join
+         of the earlier passes that task 0 of the previous pass stored (`state`). After the last pass the
          k-th key T is known exactly, with need = how many keys equal to T are taken, and per task
          gt_t = its keys > T and eq_t = its keys == T.
   write (`topk_write`): task t takes its keys > T and its ties == T whose tie rank (ties of tasks
@@ -52,14 +53,16 @@ Layouts (per row; the caller offsets pointers to the row / slot):
   tail [KP, 2D] fp32   ring of [LayerNorm'd key | gate];  pool_keys [Pmax, D] (fp32/bf16)
   iq [NH, D], w [NH]   index queries and raw weights_proj output (bf16/fp32)
   scores [>= P] fp32;  hist [PASSES, T_MAX, 2^BITS] int32;  out [WIDTH] int32 token indices
+  state [PASSES, T_MAX + 2] int32   row j: the join of passes 0 .. j (prefix, k_rem, gt per task), by task 0
+                                    of pass j + 1, so each later task joins one pass, not all before it
 
 Device API (constexprs in CAPS):
   idx_pool_task(kraw, graw, ln_w, ln_b, ape, tail, pool_keys, pos, eps, D, KP)
   (= idx_pool_prefetch(ln_w, ln_b, ape, tail, pos, D, KP), issued before a wait, then
      idx_pool_finish(x, g, <its four tensors>, ape, tail, pool_keys, pos, eps, D, KP) on the raw rows)
   idx_score_pools(iq, w, pool_keys, scores, p0, p1, NH, D, BLOCK_P)
-  topk_hist_pass(scores, hist, t, j, chunk, P, TOPK, T_MAX, BITS, BLOCK)    # j = 0 .. PASSES-1
-  topk_write(scores, hist, out, t, chunk, P, pos, TOPK, KP, WIDTH, T_MAX, BITS, BLOCK)
+  topk_hist_pass(scores, hist, state, t, j, chunk, P, TOPK, T_MAX, BITS, BLOCK)    # j = 0 .. PASSES-1
+  topk_write(scores, hist, state, out, t, chunk, P, pos, TOPK, KP, WIDTH, T_MAX, BITS, BLOCK)
   (task t covers pools [t * chunk, min((t + 1) * chunk, P)); max(1, cdiv(P, chunk)) <= T_MAX tasks)
 """
 from __future__ import annotations
@@ -146,15 +149,26 @@ def idx_score_pools(iq, w, pool_keys, scores, p0, p1, NH: tl.constexpr, D: tl.co
     c = tl.arange(0, D)
     iqt = tl.load(iq + h[None, :] * D + c[:, None], cache_modifier=".cg").to(tl.float32)   # [D, NH]
     wh = tl.load(w + h, cache_modifier=".cg").to(tl.float32) * (NH ** -0.5)
-    p = p0
-    while p < p1:
-        offs = p + tl.arange(0, BLOCK_P)
-        m = offs < p1
-        pk = tl.load(pool_keys + offs[:, None].to(tl.int64) * D + c[None, :], mask=m[:, None], other=0.0)
-        acc = _dot_any(tl.zeros([BLOCK_P, NH], dtype=tl.float32), pk, iqt)                 # [BLOCK_P, NH]
-        s = tl.maximum(acc * (D ** -0.5), 0.0)
-        tl.store(scores + offs, tl.sum(s * wh[None, :], axis=1), mask=m)
-        p += BLOCK_P
+    if _interpreting():
+        p = p0
+        while p < p1:
+            _score_tile(pool_keys, scores, iqt, wh, p, p1, NH, D, BLOCK_P)
+            p += BLOCK_P
+    else:       # the pool keys stream through a cp.async pipeline: a serial loop paid ~1.6 us (one HBM trip) a tile
+        for p in tl.range(p0, p1, BLOCK_P, num_stages=4):
+            _score_tile(pool_keys, scores, iqt, wh, p, p1, NH, D, BLOCK_P)
+
+
+@triton.jit
+def _score_tile(pool_keys, scores, iqt, wh, p, p1, NH: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr):
+    """scores of pools [p, min(p + BLOCK_P, p1)) (idx_score_pools)."""
+    c = tl.arange(0, D)
+    offs = p + tl.arange(0, BLOCK_P)
+    m = offs < p1
+    pk = tl.load(pool_keys + offs[:, None].to(tl.int64) * D + c[None, :], mask=m[:, None], other=0.0)
+    acc = _dot_any(tl.zeros([BLOCK_P, NH], dtype=tl.float32), pk, iqt)                 # [BLOCK_P, NH]
+    s = tl.maximum(acc * (D ** -0.5), 0.0)
+    tl.store(scores + offs, tl.sum(s * wh[None, :], axis=1), mask=m)
 
 
 # ---------------------------------------------------------------------------- top-k (radix select)
@@ -171,44 +185,58 @@ def _shift(j, BITS: tl.constexpr):
 
 
 @triton.jit
-def _radix_join(hist, n_pass, n_tasks, k, T_MAX: tl.constexpr, BITS: tl.constexpr):
-    """Replay the joins of passes 0 .. n_pass-1. Returns (prefix: the chosen digits in unsigned-key
-    bits, k_rem: keys still needed inside the chosen bin, gt [T_MAX]: per task keys above the bin,
-    eq [T_MAX]: per task keys in the last chosen bin). Integer sums only: exact, order-free. A pass's
-    histograms of every task load as one [T_MAX, 2^BITS] tile (16 KB at 16 tasks, 8 bits): one round
-    trip a pass; walking the tasks one row at a time was two dependent loads per task and pass (the
-    select task's 38 us, measured on the H200)."""
+def _join_from(hist, state, jj, n_tasks, k, T_MAX: tl.constexpr, BITS: tl.constexpr):
+    """The join of passes 0 .. jj: the stored join of passes < jj (state row jj - 1, written by task 0 of pass
+    jj; none for jj = 0) and pass jj's histograms of every task as one [T_MAX, 2^BITS] tile, both loads in
+    one round trip. Returns (prefix: the chosen digits in unsigned-key bits, k_rem: keys still needed inside
+    the chosen bin, gt [T_MAX]: per task keys above the bin, eq [T_MAX]: per task keys in pass jj's chosen
+    bin). Integer sums only: exact, order-free. (Replaying every earlier pass's tile cost one dependent
+    L2 trip and ~12 shared-memory round trips a pass: the write task's 19 us, traced on the H200.)"""
     NB: tl.constexpr = 1 << BITS
+    SW: tl.constexpr = T_MAX + 2
     tt = tl.arange(0, T_MAX)
     d = tl.arange(0, NB)
-    prefix = k * 0
-    k_rem = k
-    gt = tl.zeros([T_MAX], dtype=tl.int32)
-    eq = tl.zeros([T_MAX], dtype=tl.int32)
-    j = 0
-    while j < n_pass:
-        h = tl.load(hist + j * T_MAX * NB + tt[:, None] * NB + d[None, :], mask=(tt < n_tasks)[:, None], other=0,
-                    cache_modifier=".cg")                                  # [T_MAX, NB]
-        tot = tl.sum(h, axis=0)
-        incl = tl.sum(tot, axis=0) - tl.cumsum(tot, axis=0) + tot           # count of digits >= d
-        dstar = tl.sum((incl >= k_rem).to(tl.int32), axis=0) - 1
-        k_rem -= tl.sum(tl.where(d > dstar, tot, 0), axis=0)
-        gt += tl.sum(tl.where(d[None, :] > dstar, h, 0), axis=1)
-        eq = tl.sum(tl.where(d[None, :] == dstar, h, 0), axis=1)
-        prefix = prefix | (dstar << _shift(j, BITS))
-        j += 1
+    h = tl.load(hist + jj * T_MAX * NB + tt[:, None] * NB + d[None, :], mask=(tt < n_tasks)[:, None], other=0,
+                cache_modifier=".cg")                                      # [T_MAX, NB]
+    prev = state + (jj - 1) * SW
+    has = jj > 0
+    prefix = tl.load(prev, mask=has, other=0, cache_modifier=".cg")
+    k_rem = tl.load(prev + 1, mask=has, other=k, cache_modifier=".cg")
+    gt = tl.load(prev + 2 + tt, mask=has, other=0, cache_modifier=".cg")
+    tot = tl.sum(h, axis=0)
+    incl = tl.sum(tot, axis=0) - tl.cumsum(tot, axis=0) + tot           # count of digits >= d
+    dstar = tl.sum((incl >= k_rem).to(tl.int32), axis=0) - 1
+    k_rem -= tl.sum(tl.where(d > dstar, tot, 0), axis=0)
+    gt += tl.sum(tl.where(d[None, :] > dstar, h, 0), axis=1)
+    eq = tl.sum(tl.where(d[None, :] == dstar, h, 0), axis=1)
+    prefix = prefix | (dstar << _shift(jj, BITS))
     return prefix, k_rem, gt, eq
 
 
 @triton.jit
-def topk_hist_pass(scores, hist, t, j, chunk, P, TOPK, T_MAX: tl.constexpr, BITS: tl.constexpr,
+def _join_store(state, jj, prefix, k_rem, gt, T_MAX: tl.constexpr):
+    """State row jj = the join of passes 0 .. jj (prefix, k_rem, gt [T_MAX])."""
+    SW: tl.constexpr = T_MAX + 2
+    row = state + jj * SW
+    tl.store(row, prefix)
+    tl.store(row + 1, k_rem)
+    tl.store(row + 2 + tl.arange(0, T_MAX), gt)
+
+
+@triton.jit
+def topk_hist_pass(scores, hist, state, t, j, chunk, P, TOPK, T_MAX: tl.constexpr, BITS: tl.constexpr,
                    BLOCK: tl.constexpr):
     """Radix pass j of selection task t (pools [t * chunk, min((t + 1) * chunk, P))): histogram of digit j
     of the keys whose digits < j match the prefix chosen by passes < j -> hist[j, t, :]. Needs every
-    task's hist[0 .. j-1] (one hop per pass). Not needed while P <= TOPK."""
+    task's hist[j - 1] and the join state of passes < j - 1 (one hop per pass); task 0 stores the join of
+    passes < j as state row j - 1 for the next pass. Not needed while P <= TOPK."""
     NB: tl.constexpr = 1 << BITS
     n_tasks = tl.maximum(tl.cdiv(P, chunk), 1)
-    prefix, k_rem, gt, eq = _radix_join(hist, j, n_tasks, tl.minimum(P, TOPK), T_MAX, BITS)
+    prefix = 0 * P
+    if j > 0:
+        prefix, k_rem, gt, eq = _join_from(hist, state, j - 1, n_tasks, tl.minimum(P, TOPK), T_MAX, BITS)
+        if t == 0:
+            _join_store(state, j - 1, prefix, k_rem, gt, T_MAX)
     sh = _shift(j, BITS)
     hmask = tl.where(j == 0, 0, -1 << tl.minimum(32 - BITS * j, 31))       # bits of the digits above pass j
     acc = tl.zeros([NB], dtype=tl.int32)
@@ -227,11 +255,11 @@ def topk_hist_pass(scores, hist, t, j, chunk, P, TOPK, T_MAX: tl.constexpr, BITS
 
 
 @triton.jit
-def topk_write(scores, hist, out, t, chunk, P, pos, TOPK, KP: tl.constexpr, WIDTH, T_MAX: tl.constexpr,
+def topk_write(scores, hist, state, out, t, chunk, P, pos, TOPK, KP: tl.constexpr, WIDTH, T_MAX: tl.constexpr,
                BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Selected pools of task t, expanded to tokens, at their final positions of out [WIDTH] (ascending
     pool order); task 0 also writes the tail tokens [KP * P, pos] and the -1 padding. Needs every task's
-    hist of every pass (unless P <= TOPK)."""
+    hist of the last pass and the join state of the passes before it (unless P <= TOPK)."""
     PASSES: tl.constexpr = (32 + BITS - 1) // BITS
     n_tasks = tl.maximum(tl.cdiv(P, chunk), 1)
     k = tl.minimum(P, TOPK)
@@ -241,7 +269,7 @@ def topk_write(scores, hist, out, t, chunk, P, pos, TOPK, KP: tl.constexpr, WIDT
     base = p0
     eq_before = 0 * P
     if P > TOPK:
-        prefix, need, gt, eq = _radix_join(hist, PASSES, n_tasks, k, T_MAX, BITS)
+        prefix, need, gt, eq = _join_from(hist, state, PASSES - 1, n_tasks, k, T_MAX, BITS)
         thr = prefix ^ _MIN_I32
         tt = tl.arange(0, T_MAX)
         eqb = tl.cumsum(eq, axis=0) - eq                                    # ties in tasks before
@@ -303,7 +331,7 @@ def idx_score_kernel(iq, w, pool_keys, scores, positions, stride_pk, stride_s, c
 
 
 @triton.jit
-def topk_hist_kernel(scores, hist, positions, stride_s, j, chunk, TOPK, KP: tl.constexpr, T_MAX: tl.constexpr,
+def topk_hist_kernel(scores, hist, state, positions, stride_s, j, chunk, TOPK, KP: tl.constexpr, T_MAX: tl.constexpr,
                      BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (rows, T_MAX): radix pass j; tasks past the row's task count do nothing."""
     r = tl.program_id(0)
@@ -311,12 +339,12 @@ def topk_hist_kernel(scores, hist, positions, stride_s, j, chunk, TOPK, KP: tl.c
     P = (tl.load(positions + r) + 1) // KP
     PASSES: tl.constexpr = (32 + BITS - 1) // BITS
     if t < tl.maximum(tl.cdiv(P, chunk), 1):
-        topk_hist_pass(scores + r * stride_s, hist + r * PASSES * T_MAX * (1 << BITS), t, j, chunk, P, TOPK,
-                       T_MAX, BITS, BLOCK)
+        topk_hist_pass(scores + r * stride_s, hist + r * PASSES * T_MAX * (1 << BITS), state + r * PASSES * (T_MAX + 2),
+                       t, j, chunk, P, TOPK, T_MAX, BITS, BLOCK)
 
 
 @triton.jit
-def topk_write_kernel(scores, hist, out, positions, stride_s, chunk, TOPK, WIDTH, KP: tl.constexpr,
+def topk_write_kernel(scores, hist, state, out, positions, stride_s, chunk, TOPK, WIDTH, KP: tl.constexpr,
                       T_MAX: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (rows, T_MAX): the write task of every selection task of the row."""
     r = tl.program_id(0)
@@ -325,8 +353,8 @@ def topk_write_kernel(scores, hist, out, positions, stride_s, chunk, TOPK, WIDTH
     P = (pos + 1) // KP
     PASSES: tl.constexpr = (32 + BITS - 1) // BITS
     if t < tl.maximum(tl.cdiv(P, chunk), 1):
-        topk_write(scores + r * stride_s, hist + r * PASSES * T_MAX * (1 << BITS), out + r * WIDTH, t, chunk, P,
-                   pos, TOPK, KP, WIDTH, T_MAX, BITS, BLOCK)
+        topk_write(scores + r * stride_s, hist + r * PASSES * T_MAX * (1 << BITS), state + r * PASSES * (T_MAX + 2),
+                   out + r * WIDTH, t, chunk, P, pos, TOPK, KP, WIDTH, T_MAX, BITS, BLOCK)
 
 
 # ---------------------------------------------------------------------------- host wrappers (tests)
@@ -367,13 +395,14 @@ def select(scores, positions, cfg, *, chunk: int = 64, bits: int = 8, block: int
         raise ValueError(f"{n_tasks} selection tasks do not fit T_MAX={T_MAX} (a power of two)")
     passes = topk_passes(bits)
     hist = torch.full((rows, passes, T_MAX, 1 << bits), -7, dtype=torch.int32, device=scores.device)
+    state = torch.full((rows, passes, T_MAX + 2), -7, dtype=torch.int32, device=scores.device)
     out = torch.full((rows, WIDTH), -7, dtype=torch.int32, device=scores.device)
     scores = scores.contiguous()
     grid = (rows, T_MAX)
     if P > TOPK:
         for j in range(passes):
-            topk_hist_kernel[grid](scores, hist, positions, scores.stride(0), j, chunk, TOPK, KP=KP, T_MAX=T_MAX,
+            topk_hist_kernel[grid](scores, hist, state, positions, scores.stride(0), j, chunk, TOPK, KP=KP, T_MAX=T_MAX,
                                    BITS=bits, BLOCK=block)
-    topk_write_kernel[grid](scores, hist, out, positions, scores.stride(0), chunk, TOPK, WIDTH, KP=KP, T_MAX=T_MAX,
+    topk_write_kernel[grid](scores, hist, state, out, positions, scores.stride(0), chunk, TOPK, WIDTH, KP=KP, T_MAX=T_MAX,
                             BITS=bits, BLOCK=block)
     return out

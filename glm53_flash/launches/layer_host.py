@@ -332,18 +332,30 @@ class KdaLayerLaunch(Launch):
         self.npart1 = self.npart2 = n_col
         self.gate_bh = min(512, H)
         g.stage("gate_in")
-        self._gate_tasks(g, "1", "hp1", "a_in", "cf1")
+        self._gate_tasks(g, "1", "hp1", "a_in", "cf1", coef=not self.late_coef1)
 
-    def _gate_tasks(self, g, k: str, slots: str, row: str, box: str) -> None:
+    # the mixer's coef tasks in a later stage of the launch's own choosing (_coef_tasks there) instead of
+    # beside the gate: where the stage after gate_in has a task for every CTA (sparse: qkv_a's split-K), the
+    # coef CTA's task of that stage waited for the Sinkhorn (~11 us traced on the critical path, H200)
+    late_coef1 = False
+
+    def _gate_tasks(self, g, k: str, slots: str, row: str, box: str, coef: bool = True) -> None:
         """mHC k ("1" mixer, "2" FFN) after its partial slots: the gate row by (row, column tile) tasks, and
-        per row a coef task for hc_post's coefficients (the Sinkhorn) beside them, on a CTA of its own;
-        hc_post waits on the coef box."""
+        (coef) per row a coef task for hc_post's coefficients (the Sinkhorn) beside them, on a CTA of its
+        own; hc_post waits on the coef box."""
         n_gate, W = self.H // self.gate_bh, self.width
         for r in range(W):
             for t in range(n_gate):
                 g.add("gate" + k, (t * self.gate_bh, r * n_gate + t, r), reads=(slots,), writes=(row,),
                       nbytes=4 * self.gate_bh * 4)
         self.n_box[row] = W * n_gate
+        if coef:
+            self._coef_tasks(g, k, slots, box)
+
+    def _coef_tasks(self, g, k: str, slots: str, box: str) -> None:
+        """Per row a coef task of mHC k (the Sinkhorn of its partial slots -> the coef box) in the current
+        stage."""
+        W = self.width
         # a coef task costs its time, not its 10 KB: the Sinkhorn's ~10-14 us (traced, H200) ~ 5 task floors.
         # At its bytes the placement gave its CTA an in_proj tile next, which started 14 us late
         for r in range(W):

@@ -57,7 +57,7 @@ from ..schedule import TaskGraph
 from .kda import KdaLaunch
 from .base import check_rank_width
 from .layer_host import ROWS_PAD, _ranges, rank_tensors
-from .sparse_layer import BOXES, FAMILIES, META, META_WORDS, ROWS_REGIONS, sparse_layer_kernel
+from .sparse_layer import BOXES, CACHE_ALIGN_ELEMS, FAMILIES, META, META_WORDS, ROWS_REGIONS, sparse_layer_kernel
 
 T_MAX_LIMIT = 16        # selection tasks per row (kernels/indexer.py: registers measured at T_MAX 16)
 
@@ -73,6 +73,8 @@ class SparseLaunch(KdaLaunch):
     default_ctas_per_sm = 1     # up to 255 registers per thread: two CTAs per SM not measured yet
 
     META_LAYOUT = (BOXES, ROWS_REGIONS, META, META_WORDS)        # layer_host.py _meta
+    late_coef1 = True           # coef1 in the dsa_norm stage (a task per row), not beside the gate: qkv_a
+                                # has a task on every CTA, and the coef CTA's waited for the Sinkhorn
 
     kind = "sparse"
 
@@ -237,6 +239,8 @@ class SparseLaunch(KdaLaunch):
         for r in range(W):
             g.add("dsa_norm", (r, r), reads=("ya",), writes=("qr",), nbytes=self.ks_a * self.NA * 4)
         self.n_box["qr"] = W
+        if not self.NEXTN:                         # the mixer's Sinkhorn: needed only by o_sum's hc_post
+            self._coef_tasks(g, "1", "hp1", "cf1")
         g.stage("q_b")
         self._mat_stage(g, "mat_q", [(0, self.NHA * self.DN, self.QL * wb(self.W_qb)),
                                      (1, self.NI * self.DI, self.QL * 2)], ("qr",), "q")
@@ -300,6 +304,7 @@ class SparseLaunch(KdaLaunch):
         pl.rows("qlat", (W, NH, C), f32)
         pl.rows("scores", (W, self.pmax), f32)
         pl.rows("hist", (W, topk_passes(self.bits), self.t_max, 1 << self.bits), i32)
+        pl.rows("jstate", (W, topk_passes(self.bits), self.t_max + 2), i32)
         pl.rows("idx_rows", (W, self.WIDTH), i32)
         pl.rows("pm", (W, NH, sp.n_splits), f32)
         pl.rows("pl", (W, NH, sp.n_splits), f32)
@@ -343,8 +348,8 @@ class SparseLaunch(KdaLaunch):
                      BLOCK_C=self.block_c, GATE_BH=self.gate_bh, ITERS=cfg.hc_sinkhorn_iters, ROWS_PAD=ROWS_PAD,
                      ACT_F32=self.act_dtype == "float32", ABS_C=self.abs_c, ABS_CK=min(self.DN, 64),
                      HB=sp.heads_per_task, BLOCK_T=sp.block_t, ATT_CK=att_chunk(sp.block_t, self.C), OUT_N=self.out_n,
-                     OUT_PF=out_pf, BLOCK_P=self.block_p, T_MAX=self.t_max, BITS=self.bits, SEL_BLOCK=1024 if
-                     self.device.type != "cpu" else 64, NORM_BLOCK=triton.next_power_of_2(self.H),
+                     OUT_PF=out_pf, BLOCK_P=self.block_p, T_MAX=self.t_max, BITS=self.bits,
+                     SEL_BLOCK=min(1024 if self.device.type != "cpu" else 64, triton.next_power_of_2(self.sel_chunk)), NORM_BLOCK=triton.next_power_of_2(self.H),
                      E=self.E, KE=self.KE, I_E=self.I_E, E_PAD=triton.next_power_of_2(self.E),
                      K_PAD=triton.next_power_of_2(self.KE), RENORM=bool(cfg.norm_topk_prob), BLOCK_E=16, RCK=32,
                      NEXTN=self.NEXTN, TRACE=self.trace_args()[1], KS_GU=self.ks_gu, KS_E=self.ks_e, KG=self.kg,
@@ -373,6 +378,10 @@ class SparseLaunch(KdaLaunch):
                     or t.stride(2) != 1 or t.stride(1) != shape[2]):
                 raise ValueError(f"{self.kind}: {name} must be {'/'.join(str(d)[6:] for d in dts)} {list(shape)} "
                                  f"with contiguous rows")
+        for name, t in (("latent", latent), ("pool_keys", pool_keys), ("tail_rows", tail_rows)):
+            if t.stride(0) % CACHE_ALIGN_ELEMS or t.data_ptr() % 16:
+                raise ValueError(f"{self.kind}: {name}'s slot stride {t.stride(0)} must be a multiple of {CACHE_ALIGN_ELEMS} "
+                                 f"elements and its data 16-byte aligned (the kernel's vector loads assume it)")
         for t in (latent, pool_keys, tail_rows):
             if t.device != self.device and not (t.device.type == self.device.type == "cuda"):
                 raise ValueError(f"{self.kind}: caches on {t.device}, the launch on {self.device}")

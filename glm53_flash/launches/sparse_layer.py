@@ -42,12 +42,23 @@ FAMILIES = with_ffn_families({"part": 0, "gate1": 1, "mat_a": 2, "dsa_norm": 3, 
                                "peer_o": 19, "peer_d": 20, "eh_in": 21, "eh": 22, "ln_row": 23})
 BOXES = COMMON_BOXES + ("ya", "qr", "q", "ql", "hs0", "hs1", "hs2", "hs3", "idx", "att", "ein", "x", "z")
 ROWS_REGIONS = COMMON_ROWS + ("ya", "qr_rows", "yq", "qlat", "scores", "hist", "idx_rows", "pm", "pl", "pacc",
-                              "ctx", "ein_rows", "x0")
+                              "ctx", "ein_rows", "x0", "jstate")
 META, META_WORDS = meta_layout(BOXES, ROWS_REGIONS)
 
 (B_YA, B_QR, B_Q, B_QL, B_HS0, B_HS1, B_HS2, B_HS3, B_IDX, B_ATT, B_EIN, B_X, B_Z) = (
     tl.constexpr(BOXES.index(n)) for n in BOXES[len(COMMON_BOXES):])
-(M_YA, M_QR, M_YQ, M_QLAT, M_SC, M_HIST, M_IDX, M_PM, M_PL, M_PACC, M_CTX, M_EIN, M_X0) = (
+CACHE_ALIGN_ELEMS = 8      # the caches' slot strides are multiples of it (elements; sparse.py set_input checks)
+
+
+@triton.jit
+def _slot_stride(ss):
+    """A cache's slot stride, known to the alignment analysis as a multiple of CACHE_ALIGN_ELEMS (the shift
+    pair: tl.multiple_of is lost on scalars), so a slot's rows stay 16-byte aligned and their loads are
+    vector / cp.async copies (a plain runtime stride made every latent and pool-key load a 2-byte scalar
+    one: 240 of them in the attend task's PTX)."""
+    return (ss >> 3) << 3
+
+(M_YA, M_QR, M_YQ, M_QLAT, M_SC, M_HIST, M_IDX, M_PM, M_PL, M_PACC, M_CTX, M_EIN, M_X0, M_JST) = (
     tl.constexpr(META[n]) for n in ROWS_REGIONS[len(COMMON_ROWS):])
 
 
@@ -102,7 +113,7 @@ def _dsa_norm_task(positions, slots, latent, lat_ss, pool_keys, pk_ss, tail, tai
     r = tl.minimum(a0, rows - 1)
     pos = tl.load(positions + r)
     slot = tl.load(slots + r).to(tl.int64)
-    ring = tail + slot * tail_ss
+    ring = tail + slot * _slot_stride(tail_ss)
     wq, wc, lw, lb, keys, z = dsa_norm_prefetch(qa_ln, kva_ln, kn_w, kn_b, ape, ring, pos, QL, C, DI, KP, Q_PAD, C_PAD)
     ya_r = f32_at(scratch, meta, M_YA) + a0 * NA
     qr_r = act_at(scratch, meta, M_QR, ACT_F32) + a0 * QL
@@ -110,7 +121,8 @@ def _dsa_norm_task(positions, slots, latent, lat_ss, pool_keys, pk_ss, tail, tai
     if ok != 0:
         if a0 < rows:
             dsa_norm_finish(ya_r, width * NA, wq, wc, lw, lb, keys, z, ape, qr_r,
-                            latent + slot * lat_ss + pos.to(tl.int64) * C, ring, pool_keys + slot * pk_ss, pos, eps,
+                            latent + slot * _slot_stride(lat_ss) + pos.to(tl.int64) * C, ring,
+                            pool_keys + slot * _slot_stride(pk_ss), pos, eps,
                             QL, C, DI, NI, KP, KS, Q_PAD, C_PAD, NI_PAD)
         signal(scratch, meta, B_QR, a1, tag, fault_site)
     return ok, rdy
@@ -130,6 +142,13 @@ def _absorb_task(kv_b, S_kvb, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hd
     return ok, rdy
 
 
+@triton.jit
+def _jstate(scratch, meta, r, T_MAX: tl.constexpr, BITS: tl.constexpr):
+    """Row r's radix join states [PASSES, T_MAX + 2] int32 (kernels/indexer.py `state`)."""
+    PASSES: tl.constexpr = (32 + BITS - 1) // BITS
+    return i32_at(scratch, meta, M_JST) + r * (PASSES * (T_MAX + 2))
+
+
 @triton.jit(noinline=True)
 def _score_task(positions, slots, pool_keys, pk_ss, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, rdy, pid, tag,
                 hdr, timeout_ns, fault_site, NA: tl.constexpr, NQ: tl.constexpr, NH: tl.constexpr, DN: tl.constexpr,
@@ -147,11 +166,12 @@ def _score_task(positions, slots, pool_keys, pk_ss, scratch, meta, rows, pmax, s
             sc = f32_at(scratch, meta, M_SC) + a0 * pmax
             yq_r = f32_at(scratch, meta, M_YQ) + a0 * NQ
             idx_score_pools(yq_r + NH * DN, f32_at(scratch, meta, M_YA) + a0 * NA + QL + C + 2 * DI,
-                            pool_keys + slot * pk_ss, sc, a1 * sel_chunk,
+                            pool_keys + slot * _slot_stride(pk_ss), sc, a1 * sel_chunk,
                             tl.minimum(a1 * sel_chunk + sel_chunk, P), NI, DI, BLOCK_P)
             if (P > TOPK) & (a1 < tl.cdiv(P, sel_chunk)):
                 tl.debug_barrier()                         # own score stores before the pass reads them
-                topk_hist_pass(sc, i32_at(scratch, meta, M_HIST) + a0 * HIST_W, a1, 0, sel_chunk, P, TOPK,
+                topk_hist_pass(sc, i32_at(scratch, meta, M_HIST) + a0 * HIST_W, _jstate(scratch, meta, a0, T_MAX, BITS),
+                               a1, 0, sel_chunk, P, TOPK,
                                T_MAX, BITS, SEL_BLOCK)
         signal(scratch, meta, B_HS0, a2, tag, fault_site)
     return ok, rdy
@@ -168,7 +188,8 @@ def _hist_task(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, a3, 
             P = (tl.load(positions + a0) + 1) // KP
             if (P > TOPK) & (a1 < tl.cdiv(P, sel_chunk)):
                 topk_hist_pass(f32_at(scratch, meta, M_SC) + a0 * pmax, i32_at(scratch, meta, M_HIST) +
-                               a0 * HIST_W, a1, a2, sel_chunk, P, TOPK, T_MAX, BITS, SEL_BLOCK)
+                               a0 * HIST_W, _jstate(scratch, meta, a0, T_MAX, BITS), a1, a2, sel_chunk, P, TOPK, T_MAX,
+                               BITS, SEL_BLOCK)
         signal(scratch, meta, B_HS0 + a2, a3, tag, fault_site)
     return ok, rdy
 
@@ -186,6 +207,7 @@ def _select_task(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, rd
             P = (pos + 1) // KP
             if a1 < tl.maximum(tl.cdiv(P, sel_chunk), 1):
                 topk_write(f32_at(scratch, meta, M_SC) + a0 * pmax, i32_at(scratch, meta, M_HIST) + a0 * HIST_W,
+                           _jstate(scratch, meta, a0, T_MAX, BITS),
                            i32_at(scratch, meta, M_IDX) + a0 * WIDTH, a1, sel_chunk, P, pos, TOPK, KP, WIDTH,
                            T_MAX, BITS, SEL_BLOCK)
         signal(scratch, meta, B_IDX, a2, tag, fault_site)
@@ -210,7 +232,7 @@ def _attend_task(positions, slots, latent, lat_ss, scratch, meta, rows, n_splits
             n_sel = tl.minimum(P, TOPK) * KP + pos + 1 - P * KP
             part = a0 * NH * n_splits
             mla_attend_tile(f32_at(scratch, meta, M_QLAT) + a0 * NH * C, i32_at(scratch, meta, M_IDX) + a0 * WIDTH,
-                            latent + slot * lat_ss, f32_at(scratch, meta, M_PM) + part,
+                            latent + slot * _slot_stride(lat_ss), f32_at(scratch, meta, M_PM) + part,
                             f32_at(scratch, meta, M_PL) + part, f32_at(scratch, meta, M_PACC) + part * C,
                             a1 * HB, a2, a2 * tpt, n_sel, n_splits, att_scale, NH, C, HB, BLOCK_T, ATT_CK)
         signal(scratch, meta, B_ATT, a3, tag, fault_site)
