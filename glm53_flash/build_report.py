@@ -101,7 +101,7 @@ def dsa_spec(kind: str, tp: int, fp8: bool, warps: int = 4, block_t: int | None 
     real = dict(H=4096, QL=1536, C=512, DI=128, NI=32, NA=2336, NH=NH, DN=256, DV=256, NQ=NH * 256 + 4096, KP=4,
                 TOPK=512, WIDTH=2051, I=I, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=3, BLOCK_C=32, GATE_BH=512,
                 ITERS=20, ROWS_PAD=8, ACT_F32=False, ABS_C=64, ABS_CK=64, HB=min(16, NH), BLOCK_T=block_t, ATT_CK=32,
-                OUT_N=64, OUT_PF=128, BLOCK_P=16, T_MAX=16, BITS=8, SEL_BLOCK=1024, NORM_BLOCK=4096, E=288, KE=8,
+                OUT_N=64, OUT_PF=128, BLOCK_P=64, T_MAX=16, BITS=8, SEL_BLOCK=1024, NORM_BLOCK=4096, E=288, KE=8,
                 I_E=I, E_PAD=512, K_PAD=8, RENORM=True, BLOCK_E=16, RCK=32, NEXTN=kind == "nextn",
                 TRACE=False, MOE=True)
     sp = choose_attention_split(2051, NH, 132, 132)              # the launch's chooser at the H200's grid

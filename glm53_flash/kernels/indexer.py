@@ -155,7 +155,7 @@ def idx_score_pools(iq, w, pool_keys, scores, p0, p1, NH: tl.constexpr, D: tl.co
             _score_tile(pool_keys, scores, iqt, wh, p, p1, NH, D, BLOCK_P)
             p += BLOCK_P
     else:       # the pool keys stream through a cp.async pipeline: a serial loop paid ~1.6 us (one HBM trip) a tile
-        for p in tl.range(p0, p1, BLOCK_P, num_stages=4):
+        for p in tl.range(p0, p1, BLOCK_P, num_stages=3):
             _score_tile(pool_keys, scores, iqt, wh, p, p1, NH, D, BLOCK_P)
 
 

@@ -66,9 +66,10 @@ class SparseLaunch(KdaLaunch):
     """One DSA layer + MoE of one TP rank (see the module docstring for the API and cache layouts).
 
     Options: latent_dtype of the caller's latent cache is taken from the tensor given to run; split
-    (an AttentionSplit) overrides the chooser; sel_chunk (pools per selection task, a multiple of
-    block_p) defaults to the smallest giving <= 16 tasks; bits: radix digit width (8 only: 4 passes,
-    the register-light choice of kernels/indexer.py)."""
+    (an AttentionSplit) overrides the chooser; block_p: pools per scoring MMA tile (64: 3 tiles in flight;
+    16 left the score task at ~9 us for 144 pools on the H200); sel_chunk (pools per selection task, a
+    multiple of block_p) defaults to the smallest giving <= 16 tasks; bits: radix digit width (8 only: 4
+    passes, the register-light choice of kernels/indexer.py)."""
 
     default_ctas_per_sm = 1     # up to 255 registers per thread: two CTAs per SM not measured yet
 
@@ -82,7 +83,7 @@ class SparseLaunch(KdaLaunch):
                  grid: int | None = None, scales: Mapping | None = None, max_len: int = 4096, timeout_s: float = 1.0,
                  xchg=None, block_n: int = 64, block_k: int = 128, num_stages: int = 3, num_warps: int = 4,
                  act_dtype: str = "bfloat16", split: AttentionSplit | None = None, sel_chunk: int | None = None,
-                 block_p: int = 16, bits: int = 8, sm_count: int | None = None, **tag_kw):
+                 block_p: int = 64, bits: int = 8, sm_count: int | None = None, **tag_kw):
         from .base import Launch
         Launch.__init__(self, grid=grid, device=device, timeout_s=timeout_s, **tag_kw)
         k = self.kind
