@@ -4,10 +4,13 @@ are the KDA layer kernel's: the same noinline task functions (launches/ffn.py), 
 for their regions and boxes; the DSA families (absorb .. join) are noinline task functions here, the GEMV
 tiles and row norms calls. Stages (every hand-off is plain rows + a box; every wait a site `sparse.<region>`):
   0 hc_pre     column tiles of the streams -> hc_pre partial slots                       -> hp1
-  1 gate_in    [hp1] gate row a_in (bf16); coef1 task: Sinkhorn -> coef1 (hc_post waits cf1) -> a_in, cf1
-  2 qkv_a      [a_in] GEMV tiles of q_a (QL) | kv_a (C) | wk, kpool gate, weights_proj -> ya (fp32)
-  3 dsa_norm   [ya] per row: q_resid (bf16); latent c -> cache[slot, pos]; LayerNorm'd key | gate
-               -> tail ring row pos % KP; pooled key when pos completes a pool              -> qr
+  1 gate_in    [hp1] gate row a_in (bf16)                                                   -> a_in
+  2 qkv_a      [a_in] GEMV tiles of q_a (QL) | kv_a (C) | wk, kpool gate, weights_proj, in KS_A K slices
+               -> ya planes [KS_A, width, NA] (fp32)
+  3 dsa_norm   [ya] per row: the planes joined in order; q_resid (bf16); latent c -> cache[slot, pos];
+               LayerNorm'd key | gate -> tail ring row pos % KP; pooled key when pos completes a pool -> qr
+               + the coef1 task [hp1]: Sinkhorn -> coef1 (hc_post waits cf1; here, not beside the gate,
+               so no qkv_a task waits behind it)                                              -> cf1
   4 q_b        [qr] GEMV tiles of this rank's q_b heads | wq_b (index queries) -> yq (fp32)  -> q
   5 absorb     [q] (head, C tile): q~ = q_h W_UK,h (fp32)                                   -> ql
     score      [q] (row, pool chunk t): pool scores, then radix pass 0 of the top-k          -> hs0
