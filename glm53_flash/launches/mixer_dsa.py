@@ -15,6 +15,7 @@ of the row in one batch after it (a loop of 256-wide chunks cost ~10 dependent t
 import triton
 import triton.language as tl
 
+from ..kernels.gemv import plane_sum
 from ..kernels.indexer import idx_pool_finish, idx_pool_prefetch
 from .ffn import gemv_tile
 
@@ -40,14 +41,9 @@ def _rms(x, N: tl.constexpr, eps):
 
 @triton.jit
 def _plane_sum(src, plane, N: tl.constexpr, KS: tl.constexpr, BLOCK: tl.constexpr):
-    """sum over the KS split-K planes (plane elements apart) of src[c], c < N, in plane order 0, 1, ..
-    (fixed: the same bits on any grid); .cg: written by other CTAs."""
+    """gemv.py plane_sum (the KS split-K planes, plane elements apart, added in plane order) of src[c], c < N."""
     offs = tl.arange(0, BLOCK)
-    m = offs < N
-    x = tl.load(src + offs, mask=m, other=0.0, cache_modifier=".cg")
-    for p in tl.static_range(1, KS):
-        x += tl.load(src + p * plane + offs, mask=m, other=0.0, cache_modifier=".cg")
-    return x
+    return plane_sum(src, offs, offs < N, plane, KS)
 
 
 @triton.jit
