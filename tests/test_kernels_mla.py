@@ -177,8 +177,8 @@ def test_choose_attention_split():
 
 def test_join_chunk():
     assert mla.att_chunk(32, 512) == 64 and mla.att_chunk(64, 512) == 32 and mla.att_chunk(8, 64) == 64
-    assert mla.join_chunk(65, 512) == (128, 32) and mla.join_chunk(33, 512) == (64, 64)
-    assert mla.join_chunk(1, 64) == (2, 64) and mla.join_chunk(3, 64) == (4, 64)
+    assert mla.join_chunk(65, 512) == (128, 8) and mla.join_chunk(33, 512) == (64, 8)
+    assert mla.join_chunk(1, 64) == (2, 2) and mla.join_chunk(3, 64) == (4, 4) and mla.join_chunk(65, 64) == (128, 64)
 
 
 # ---------------------------------------------------------------------------- GPU, real shapes
@@ -223,7 +223,7 @@ _ATTEND = dict(qlat=_F, idx=_I, latent=_B, positions=_I, pm=_F, pl=_F, pacc=_F, 
 _MLA_C = dict(NH=64, DN=256, DV=256, C=512)
 _OUT = dict(kv_b=_B, s_kv=_B, pm=_F, pl=_F, pacc=_F, ctx=_F, out=_F, rows="i32", n_splits="i32", NH="constexpr",
             DN="constexpr", DV="constexpr", C="constexpr", ROWS_PAD="constexpr", BLOCK_N="constexpr",
-            BLOCK_K="constexpr", PF_K="constexpr", NS_PAD="constexpr", JC="constexpr")
+            BLOCK_K="constexpr", PF_K="constexpr", NS_PAD="constexpr", SB="constexpr")
 # (variant, register budget); measured with triton 3.6's ptxas: printed by the test
 BUDGETS = [
     (["mla", "mla_absorb_kernel", dict(q=_F, kv_b=_B, s_kv=_B, qlat=_F, rows="i32", NH="constexpr", DN="constexpr",
@@ -234,16 +234,16 @@ BUDGETS = [
     # one-tile form (what the launches build: TP8 (HB 8, BLOCK_T 32), TP1 (HB 16, BLOCK_T 64))
     (["mla", "mla_attend_kernel", _ATTEND, dict(NH=64, C=512, KP=4, HB=8, BLOCK_T=32, CK=64), 4], 128),
     (["mla", "mla_attend_kernel", _ATTEND, dict(NH=64, C=512, KP=4, HB=16, BLOCK_T=64, CK=32), 4], 168),
-    (["mla", "mla_out_kernel", _OUT, dict(_MLA_C, ROWS_PAD=8, BLOCK_N=64, BLOCK_K=128, PF_K=128, NS_PAD=128, JC=32),
+    (["mla", "mla_out_kernel", _OUT, dict(_MLA_C, ROWS_PAD=8, BLOCK_N=64, BLOCK_K=128, PF_K=128, NS_PAD=128, SB=8),
       4], 128),
-    (["mla", "mla_out_kernel", _OUT, dict(_MLA_C, ROWS_PAD=8, BLOCK_N=64, BLOCK_K=128, PF_K=128, NS_PAD=64, JC=64),
-      4], 144),                                  # 137 measured with the chunks in a 3-stage pipeline
+    (["mla", "mla_out_kernel", _OUT, dict(_MLA_C, ROWS_PAD=8, BLOCK_N=64, BLOCK_K=128, PF_K=128, NS_PAD=64, SB=8),
+      4], 144),                                  # 128 measured with [SB, C] split tiles
     (["mla", "mla_absorb_kernel", dict(q=_F, kv_b="*fp8e4nv", s_kv=_F, qlat=_F, rows="i32", NH="constexpr",
                                        DN="constexpr", DV="constexpr", C="constexpr", ROWS_PAD="constexpr",
                                        BLOCK_C="constexpr", CK="constexpr"),
       dict(_MLA_C, ROWS_PAD=8, BLOCK_C=64, CK=64), 4], 128),
     (["mla", "mla_out_kernel", dict(_OUT, kv_b="*fp8e4nv", s_kv=_F),
-      dict(_MLA_C, ROWS_PAD=8, BLOCK_N=64, BLOCK_K=128, PF_K=128, NS_PAD=128, JC=32), 4], 128),
+      dict(_MLA_C, ROWS_PAD=8, BLOCK_N=64, BLOCK_K=128, PF_K=128, NS_PAD=128, SB=8), 4], 144),   # 139 measured
     (["indexer", "idx_pool_kernel", dict(kraw=_B, graw=_B, ln_w=_B, ln_b=_B, ape=_B, tail=_F, pool_keys=_B,
                                          positions=_I, stride_pk="i32", eps="fp32", D="constexpr", KP="constexpr"),
       dict(D=128, KP=4), 4], 64),

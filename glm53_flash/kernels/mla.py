@@ -57,7 +57,10 @@ Device API (constexprs in CAPS):
   mla_attend_tile(qlat, idx, latent, pm, pl, pacc, h0, s, t0, n_sel, n_splits, scale, NH, C, HB, BLOCK_T, CK)
   w0 = mla_out_prefetch(kv_b, h, n0, DN, DV, C, BLOCK_N, PF_K)
   mla_join_out(w0, kv_b, s_kv, pm, pl, pacc, stride_part, ctx, out, stride_o, rows, h, n0, n_splits,
-               NH, DN, DV, C, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, NS_PAD, JC)   # join_chunk()
+               NH, DN, DV, C, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, NS_PAD, SB)   # join_chunk()
+    = mla_join_ctx(pm, pl, pacc, stride_part, ctx, rows, h, n_splits, C, NS_PAD, SB), then
+      mla_out_ctx(w0, kv_b, s_kv, ctx, out, stride_o, rows, h, n0, DN, DV, C, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K,
+                  NUM_STAGES)
 """
 from __future__ import annotations
 
@@ -266,21 +269,31 @@ def mla_out_prefetch(kv_b, h, n0, DN: tl.constexpr, DV: tl.constexpr, C: tl.cons
 
 
 @triton.jit
-def mla_join_out(w0, kv_b, s_ptr, pm, pl, pacc, stride_part, ctx, out, stride_o, rows, h, n0, n_splits,
-                 NH: tl.constexpr, DN: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, ROWS_PAD: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 NS_PAD: tl.constexpr, JC: tl.constexpr):
-    """Join head h's splits for every row, then out[r, h, n0:n0+BLOCK_N] = W_UV,h ctx_r. pm/pl/pacc: row
-    r's partials at + r * stride_part (mla_attend's layout); ctx: this task's fp32 scratch [ROWS_PAD, C];
-    out [rows, NH, DV] with row stride stride_o. The splits load as one [NS_PAD] vector (NS_PAD >=
-    n_splits) and pacc as [NS_PAD, JC] column chunks, every chunk's loads independent: a few round trips
-    whatever the split count (a loop over the splits was two per split). Sums over the splits are
-    tl.sum's fixed tree over the padded axis (pads weigh 0): deterministic, and the same for any rows.
-    kv_b bf16, or FP8 with s_ptr its block scales (as mla_absorb_finish; FP8 needs PF_K == 128,
-    BLOCK_K % 128 == 0)."""
-    tl.static_assert(C % JC == 0, "JC must divide C")
+def _join_tile(acc, pm, pacc, base, s0, n_splits, M, L, C: tl.constexpr, SB: tl.constexpr):
+    """acc [C] += the weighted partials of splits [s0, s0 + SB) (weights e / L, as mla_join_out's)."""
+    ss = s0 + tl.arange(0, SB)
+    ls = ss < n_splits
+    m_c = tl.load(pm + base + ss, mask=ls, other=float("-inf"), cache_modifier=".cg")
+    w_c = tl.exp(m_c - M) / L
+    a = tl.load(pacc + (base + ss)[:, None] * C + tl.arange(0, C)[None, :], mask=ls[:, None], other=0.0,
+                cache_modifier=".cg")                                                   # [SB, C]
+    return acc + tl.sum(a * w_c[:, None], axis=0)
+
+
+@triton.jit
+def mla_join_ctx(pm, pl, pacc, stride_part, ctx, rows, h, n_splits, C: tl.constexpr, NS_PAD: tl.constexpr,
+                 SB: tl.constexpr):
+    """Join head h's splits for every row into ctx (this task's fp32 scratch [ROWS_PAD, C]). pm/pl/pacc: row
+    r's partials at + r * stride_part (mla_attend's layout). The split maxima and sums load as one [NS_PAD] vector
+    (NS_PAD >= n_splits); pacc streams as [SB, C] tiles of SB whole splits through a cp.async pipeline.
+    A tile's layout keeps a column's SB splits in one thread (16-byte copies along C fill the 4 warps'
+    128 threads at C = 512), so the split sum is a thread's own adds: no shuffle, no barrier, and the
+    next tiles' copies stay in flight (a [NS_PAD, JC] tile summed across warps cost two barriers a chunk:
+    16 serial steps, the join task's ~16 us traced on the H200). The order is fixed (tiles in split order,
+    each tile's SB splits in order; pads weigh 0): deterministic, and the same for any rows."""
     sv = tl.arange(0, NS_PAD)
     live = sv < n_splits
+    cc = tl.arange(0, C)
     r = 0
     while r < rows:
         base = r * stride_part + h * n_splits
@@ -288,21 +301,42 @@ def mla_join_out(w0, kv_b, s_ptr, pm, pl, pacc, stride_part, ctx, out, stride_o,
         M = tl.max(m_s, axis=0)                                  # split 0 always holds the token pos: finite
         e = tl.exp(m_s - M)                                      # 0 for pads and empty splits
         L = tl.sum(tl.load(pl + base + sv, mask=live, other=0.0, cache_modifier=".cg") * e, axis=0)
-        w = e / L
-        # the column chunks stream through a cp.async pipeline: as a static loop, the split sum's barriers
-        # came before the next chunk's loads, so the 16 chunks were 16 serial L2 trips (the join task's
-        # ~18 us of own time, traced on the H200)
-        for c0 in tl.range(0, C, JC, num_stages=3):
-            cc = c0 + tl.arange(0, JC)
-            a = tl.load(pacc + (base + sv)[:, None] * C + cc[None, :], mask=live[:, None], other=0.0,
-                        cache_modifier=".cg")                     # [NS_PAD, JC]
-            tl.store(ctx + r * C + cc, tl.sum(a * w[:, None], axis=0))
+        acc = tl.zeros([C], dtype=tl.float32)
+        if _interpreting():     # the interpreter's program ids are 1-element arrays that `range` rejects
+            s0 = 0
+            while s0 < n_splits:
+                acc = _join_tile(acc, pm, pacc, base, s0, n_splits, M, L, C, SB)
+                s0 += SB
+        else:
+            for s0 in tl.range(0, n_splits, SB, num_stages=3):     # 2 tiles (32 KB) in flight
+                acc = _join_tile(acc, pm, pacc, base, s0, n_splits, M, L, C, SB)
+        tl.store(ctx + r * C + cc, acc)
         r += 1
+
+
+@triton.jit
+def mla_out_ctx(w0, kv_b, s_ptr, ctx, out, stride_o, rows, h, n0, DN: tl.constexpr, DV: tl.constexpr,
+                C: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                PF_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """out[r, h, n0:n0+BLOCK_N] = W_UV,h ctx_r (ctx from mla_join_ctx; out [rows, NH, DV], row stride
+    stride_o). kv_b bf16, or FP8 with s_ptr its block scales (as mla_absorb_finish; FP8 needs PF_K == 128,
+    BLOCK_K % 128 == 0)."""
     tl.debug_barrier()                          # ctx rows stored by every thread, read back by every warp
     w_uv = kv_b + (h.to(tl.int64) * (DN + DV) + DN) * C
     s_uv = s_ptr + ((h * (DN + DV) + DN) // 128) * tl.cdiv(C, 128)     # W_UV,h's scale rows (FP8 only)
     acc = gemv_finish(w0, w_uv, s_uv, ctx, C, rows, n0, 0, C, DV, C, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
     gemv_store(out + h * DV, stride_o, acc, rows, n0, DV, ROWS_PAD, BLOCK_N)
+
+
+@triton.jit
+def mla_join_out(w0, kv_b, s_ptr, pm, pl, pacc, stride_part, ctx, out, stride_o, rows, h, n0, n_splits,
+                 NH: tl.constexpr, DN: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, ROWS_PAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 NS_PAD: tl.constexpr, SB: tl.constexpr):
+    """mla_join_ctx then mla_out_ctx: head h's splits joined for every row, then its W_UV tile."""
+    mla_join_ctx(pm, pl, pacc, stride_part, ctx, rows, h, n_splits, C, NS_PAD, SB)
+    mla_out_ctx(w0, kv_b, s_ptr, ctx, out, stride_o, rows, h, n0, DN, DV, C, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K,
+                NUM_STAGES)
 
 
 # ---------------------------------------------------------------------------- test kernels
@@ -342,14 +376,14 @@ def mla_attend_kernel(qlat, idx, latent, positions, pm, pl, pacc, stride_lat, wi
 @triton.jit
 def mla_out_kernel(kv_b, s_kv, pm, pl, pacc, ctx, out, rows, n_splits, NH: tl.constexpr, DN: tl.constexpr,
                    DV: tl.constexpr, C: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NS_PAD: tl.constexpr, JC: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NS_PAD: tl.constexpr, SB: tl.constexpr):
     """Grid (NH, DV // BLOCK_N): one join + out task, all rows; ctx scratch per task."""
     h = tl.program_id(0)
     nb = tl.program_id(1)
     w0 = mla_out_prefetch(kv_b, h, nb * BLOCK_N, DN, DV, C, BLOCK_N, PF_K)
     task = h * tl.num_programs(1) + nb
     mla_join_out(w0, kv_b, s_kv, pm, pl, pacc, NH * n_splits, ctx + task * ROWS_PAD * C, out, NH * DV, rows, h,
-                 nb * BLOCK_N, n_splits, NH, DN, DV, C, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, 2, NS_PAD, JC)
+                 nb * BLOCK_N, n_splits, NH, DN, DV, C, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, 2, NS_PAD, SB)
 
 
 def att_chunk(block_t: int, C: int) -> int:
@@ -359,10 +393,10 @@ def att_chunk(block_t: int, C: int) -> int:
 
 
 def join_chunk(n_splits: int, C: int) -> tuple[int, int]:
-    """(NS_PAD, JC) of mla_join_out for n_splits: the padded split axis, and the column chunk that keeps
-    one [NS_PAD, JC] fp32 tile at 4096 values (32 registers a thread at 4 warps)."""
+    """(NS_PAD, SB) of mla_join_out for n_splits: the padded split axis, and the splits per pacc tile that
+    keep one [SB, C] fp32 tile at 4096 values (32 registers a thread at 4 warps), SB <= NS_PAD."""
     ns_pad = triton.next_power_of_2(max(n_splits, 2))
-    return ns_pad, max(1, min(C, 4096 // ns_pad))
+    return ns_pad, max(1, min(ns_pad, 4096 // triton.next_power_of_2(C)))
 
 
 # ---------------------------------------------------------------------------- host wrapper (tests)
@@ -402,8 +436,8 @@ def mla_decode(q, kv_b, latent, idx, positions, cfg, split: AttentionSplit, *, r
         split.tokens_per_task, cfg.qk_head_dim ** -0.5, cfg.index_topk_pools, NH=nh, C=C, KP=cfg.index_kpool,
         HB=split.heads_per_task, BLOCK_T=split.block_t, CK=chunk_c or C)
     pf = min(C, 128)
-    ns_pad, jc = join_chunk(S, C)
+    ns_pad, sb = join_chunk(S, C)
     mla_out_kernel[(nh, dv // block_n)](kv_b, s_kv, o["pm"], o["pl"], o["pacc"], ctx, o["out"], rows, S, NH=nh, DN=dn,
                                         DV=dv, C=C, ROWS_PAD=rows_pad, BLOCK_N=block_n, BLOCK_K=pf, PF_K=pf,
-                                        NS_PAD=ns_pad, JC=jc)
+                                        NS_PAD=ns_pad, SB=sb)
     return o

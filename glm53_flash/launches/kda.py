@@ -23,13 +23,13 @@ import os
 import torch
 
 from ..kernels.moe import pack_experts
-from .ffn_tasks import ACT_COLS
+from .ffn_tasks import ACT_COLS, ROUTER_BLOCK_E
 from ..schedule import choose_groups
 from .layer_host import KdaLayerLaunch
 
 RCK = 32            # router K step (kernels/moe.py ROUTER_CK)
-BLOCK_E = 16        # experts per router tile
-ROUTER_PARTS = 16   # K ranges of the router GEMV: 288 tasks of 16 KB at E = 288 (4 parts: 72 of 64 KB, ~30 us traced)
+BLOCK_E = ROUTER_BLOCK_E   # experts per router tile
+ROUTER_PARTS = 16   # K ranges of the router GEMV, 8 K steps each (4 parts: 72 tasks of 64 KB, ~30 us traced)
 
 
 class KdaLaunch(KdaLayerLaunch):

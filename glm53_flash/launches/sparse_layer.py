@@ -29,10 +29,11 @@ xmid) instead of hc_post; ln_row 1 (post_attention_layernorm) replaces gate_ffn;
 import triton
 import triton.language as tl
 
-from sync.device import const_word, launch_begin, launch_end, trace_clock, trace_cycles, trace_store
+from sync.device import const_word, launch_begin, launch_end, trace_clock, trace_cycles, trace_mark, trace_store
 
 from ..kernels.indexer import idx_score_pools, topk_hist_pass, topk_write
-from ..kernels.mla import mla_absorb_finish, mla_absorb_prefetch, mla_attend_tile, mla_join_out, mla_out_prefetch
+from ..kernels.mla import (mla_absorb_finish, mla_absorb_prefetch, mla_attend_tile, mla_join_ctx, mla_out_ctx,
+                           mla_out_prefetch)
 from .ffn import (B_A, B_AIN, B_HP2, B_O, COMMON_BOXES, COMMON_ROWS, M_A, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO,
                   M_XMID, act_at, coef_task, f32_at, gate_task, hc_pre_task, i32_at, l2_prefetch_rows, meta_layout,
                   oproj_task, peer_task, post1_task, signal, task_entry, waitb)
@@ -246,7 +247,7 @@ def _attend_task(positions, slots, latent, lat_ss, scratch, meta, rows, n_splits
 def _join_task(kv_b, S_kvb, scratch, meta, rows, n_splits, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site,
                NH: tl.constexpr, DN: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, ROWS_PAD: tl.constexpr,
                OUT_N: tl.constexpr, OUT_PF: tl.constexpr, ACT_F32: tl.constexpr, NS_PAD: tl.constexpr,
-               JC: tl.constexpr):
+               SB: tl.constexpr):
     """join: head a0, DV tile a1: the splits joined in a fixed order, then W_UV -> o (bf16); producer a2
     of o. W_UV's tile loads before the wait."""
     DO: tl.constexpr = NH * DV
@@ -254,10 +255,13 @@ def _join_task(kv_b, S_kvb, scratch, meta, rows, n_splits, a0, a1, a2, rdy, pid,
     ok, rdy = waitb(scratch, meta, B_ATT, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         tl.debug_barrier()                                 # the CTA's ctx scratch is free (earlier task done)
-        mla_join_out(w_uv, kv_b, S_kvb, f32_at(scratch, meta, M_PM), f32_at(scratch, meta, M_PL),
-                     f32_at(scratch, meta, M_PACC), NH * n_splits, f32_at(scratch, meta, M_CTX) +
-                     pid * ROWS_PAD * C, act_at(scratch, meta, M_ON, ACT_F32), DO, rows, a0, a1 * OUT_N,
-                     n_splits, NH, DN, DV, C, ROWS_PAD, OUT_N, OUT_PF, OUT_PF, 2, NS_PAD, JC)   # 2 stages: registers
+        ctx = f32_at(scratch, meta, M_CTX) + pid * ROWS_PAD * C
+        mla_join_ctx(f32_at(scratch, meta, M_PM), f32_at(scratch, meta, M_PL), f32_at(scratch, meta, M_PACC),
+                     NH * n_splits, ctx, rows, a0, n_splits, C, NS_PAD, SB)
+        trace_mark(hdr, pid, 1)                            # the splits are joined
+        mla_out_ctx(w_uv, kv_b, S_kvb, ctx, act_at(scratch, meta, M_ON, ACT_F32), DO, rows, a0, a1 * OUT_N, DN, DV, C,
+                    ROWS_PAD, OUT_N, OUT_PF, OUT_PF, 2)   # 2 stages: registers
+        trace_mark(hdr, pid, 2)                            # W_UV's tile is applied and stored
         signal(scratch, meta, B_O, a2, tag, fault_site)
     return ok, rdy
 
@@ -293,7 +297,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         NORM_BLOCK: tl.constexpr, E: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr,
                         E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
                         RCK: tl.constexpr, NEXTN: tl.constexpr, TRACE: tl.constexpr, KS_GU: tl.constexpr,
-                        KS_E: tl.constexpr, KG: tl.constexpr, NS_PAD: tl.constexpr, JC: tl.constexpr,
+                        KS_E: tl.constexpr, KG: tl.constexpr, NS_PAD: tl.constexpr, SB: tl.constexpr,
                         KS_A: tl.constexpr, Q_PAD: tl.constexpr, C_PAD: tl.constexpr, NI_PAD: tl.constexpr):
     pid = tl.program_id(0)
     DO: tl.constexpr = NH * DV
@@ -369,7 +373,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
             elif fam == 10:                                # join: head a0, DV tile a1, producer a2
                 ok, rdy = _join_task(kv_b, S_kvb, scratch, meta, rows, n_splits, a0, a1, a2, rdy, pid, tag, hdr,
                                      timeout_ns, fault_site, NH, DN, DV, C, ROWS_PAD, OUT_N, OUT_PF, ACT_F32, NS_PAD,
-                                     JC)
+                                     SB)
             elif fam == 11:                                # oproj: tiles a0 .. a0 + a1 - 1, slot a2
                 ok, rdy = oproj_task(W_o, S_o, _mixer_in(X, scratch, meta, NEXTN), fn2, xo, scratch, meta, rows, width,
                                      tp_rank, tp_size, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, H, DO,
