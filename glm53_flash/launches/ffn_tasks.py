@@ -58,9 +58,9 @@ def with_ffn_families(own: dict) -> dict:
 ACT_FENCE: tl.constexpr = tl.constexpr(os.environ.get("GLM53_ACT_FENCE", "") == "1")
 
 ACT_COLS = 256              # act columns per task (expert activations) and per vector step
+ACT_BLOCK = tl.constexpr(ACT_COLS)
 ROUTER_BLOCK_E = 32         # experts per router task (launches/kda.py _ffn_graph): 144 tasks of 32 KB at E = 288,
                             # one wave on 264 CTAs (16: 288 tasks, 24 CTAs ran two in a row, +6 us traced)
-ACT_BLOCK = tl.constexpr(ACT_COLS)
 
 
 # ---------------------------------------------------------------------------- compute pieces
