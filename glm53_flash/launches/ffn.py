@@ -106,9 +106,26 @@ def task_entry(table, i):
 
 
 @triton.jit
-def signal(scratch, meta, b, producer, tag, fault_site):
-    box, words, nprod, site = box_at(scratch, meta, b)
+def sig_words(scratch, meta, b):
+    """(box base, words per consumer line, site) of box b: what a signal of b needs, loaded where a task starts,
+    before its wait. After the wait they cost the task's end three dependent L2 round trips (its fence's
+    CCTL.IVALL empties L1; the site decides the fault branch, then the offset, then the line width) before
+    the release fence: ~1 us on every critical-path task (sm_90 SASS of every family, 2026-12-03)."""
+    m = meta + BOX_BASE + 4 * b
+    return scratch + const_word(m), const_word(m + 1), const_word(m + 3)
+
+
+@triton.jit
+def signal_at(box, words, site, producer, tag, fault_site):
+    """Producer `producer` signals the box whose sig_words are (box, words, site)."""
     signal_box(box, tl.num_programs(0), words, producer, tag, site, fault_site, 128)
+
+
+@triton.jit
+def signal(scratch, meta, b, producer, tag, fault_site):
+    """signal_at with box b's words loaded here (for a task with no wait, or one whose work hides them)."""
+    box, words, site = sig_words(scratch, meta, b)
+    signal_at(box, words, site, producer, tag, fault_site)
 
 
 @triton.jit
@@ -228,6 +245,7 @@ def hc_pre_task(xs, fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2, tag, 
     """part: hc_pre partial slots of column tiles a0 .. a0 + a1 - 1 of the streams xs, producer a2 of
     hp1. EMBED: the task first gathers its columns of the embedding rows into xs (x0)."""
     part1 = f32_at(scratch, meta, M_PART1)
+    sb, sw, ss = sig_words(scratch, meta, B_HP1)
     j = 0
     while j < a1:
         c0 = (a0 + j) * BLOCK_N
@@ -239,7 +257,7 @@ def hc_pre_task(xs, fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2, tag, 
                           H, ROWS_PAD, BLOCK_C)
         j += 1
     trace_mark(scratch + const_word(meta + M_HDR), tl.program_id(0), 1)      # the partial slots are stored
-    signal(scratch, meta, B_HP1, a2, tag, fault_site)
+    signal_at(sb, sw, ss, a2, tag, fault_site)
 
 
 @triton.jit
@@ -260,10 +278,11 @@ def gate_task(xs, base, scale, ln, scratch, meta, rows, a0, a1, a2, rdy, pid, ta
     run in parallel, not one after another. -> (ok, rdy)."""
     part, n_parts, _ = _hc_slots(scratch, meta, SECOND)               # meta words before the wait (waitb)
     out = act_at(scratch, meta, M_A if SECOND else M_AIN, ACT_F32)
+    sb, sw, ss = sig_words(scratch, meta, B_A if SECOND else B_AIN)
     ok, rdy = waitb(scratch, meta, B_HP2 if SECOND else B_HP1, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         gate_row(xs, part, n_parts, base, scale, ln, out, a2, rows, a0, eps, hc_eps, hdr, pid, H, ROWS_PAD, GATE_BH)
-        signal(scratch, meta, B_A if SECOND else B_AIN, a1, tag, fault_site)
+        signal_at(sb, sw, ss, a1, tag, fault_site)
     return ok, rdy
 
 
@@ -275,27 +294,33 @@ def coef_task(base, scale, scratch, meta, rows, a0, a1, rdy, pid, tag, hdr, time
     needs post / comb, a few stages later (it waits on cf1 / cf2), so the Sinkhorn (~5 us traced on the
     H200) is off the gate row's critical path. -> (ok, rdy)."""
     part, n_parts, coef = _hc_slots(scratch, meta, SECOND)            # meta words before the wait (waitb)
+    sb, sw, ss = sig_words(scratch, meta, B_CF2 if SECOND else B_CF1)
     ok, rdy = waitb(scratch, meta, B_HP2 if SECOND else B_HP1, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         coef_row(part, n_parts, base, scale, coef, a0, rows, eps, hc_eps, H, ROWS_PAD, ITERS)
-        signal(scratch, meta, B_CF2 if SECOND else B_CF1, a1, tag, fault_site)
+        signal_at(sb, sw, ss, a1, tag, fault_site)
     return ok, rdy
 
 
 @triton.jit
-def _post_mixer(xs, fn2, scratch, meta, rows, a0, a1, a2, tag, fault_site, H: tl.constexpr, ROWS_PAD: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NEXTN: tl.constexpr):
+def _post_rows(scratch, meta):
+    """The rows _post_mixer reads and writes (y1, coef1, xmid, part2), formed before the caller's waits (waitb)."""
+    return (f32_at(scratch, meta, M_Y1), f32_at(scratch, meta, M_COEF1), f32_at(scratch, meta, M_XMID),
+            f32_at(scratch, meta, M_PART2))
+
+
+@triton.jit
+def _post_mixer(xs, fn2, y1, coef1, xmid, part2, rows, a0, a1, a2, tag, fault_site, sb, sw, ss, H: tl.constexpr,
+                ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NEXTN: tl.constexpr):
     """After the mixer's output tiles a0 .. a0 + a1 - 1 (y1) are complete: hc_post (xs -> xmid) fused with
-    the FFN hc_pre partials; NEXTN: xmid = x0 + y1 (xs is x0). Signals hp2 (producer a2)."""
+    the FFN hc_pre partials; NEXTN: xmid = x0 + y1 (xs is x0). Signals hp2 (producer a2). The rows (_post_rows)
+    and sb, sw, ss (hp2's sig_words) come from the caller, loaded before its waits."""
     tl.debug_barrier()                         # own warps' y1 stores before hc_post reads them
     if NEXTN:
-        add_cols(xs, f32_at(scratch, meta, M_Y1), f32_at(scratch, meta, M_XMID), rows, a0 * BLOCK_N,
-                 tl.minimum((a0 + a1) * BLOCK_N, H), H, BLOCK_N)
+        add_cols(xs, y1, xmid, rows, a0 * BLOCK_N, tl.minimum((a0 + a1) * BLOCK_N, H), H, BLOCK_N)
     else:
-        post_partials(fn2, xs, f32_at(scratch, meta, M_Y1), f32_at(scratch, meta, M_COEF1),
-                      f32_at(scratch, meta, M_XMID), f32_at(scratch, meta, M_PART2), rows, a0, a1, H, ROWS_PAD,
-                      BLOCK_N, BLOCK_C)
-    signal(scratch, meta, B_HP2, a2, tag, fault_site)
+        post_partials(fn2, xs, y1, coef1, xmid, part2, rows, a0, a1, H, ROWS_PAD, BLOCK_N, BLOCK_C)
+    signal_at(sb, sw, ss, a2, tag, fault_site)
 
 
 @triton.jit(noinline=True)
@@ -309,6 +334,8 @@ def oproj_task(W_o, S_o, xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_si
     x = act_at(scratch, meta, M_ON, ACT_F32)                            # meta words too (see waitb)
     y = f32_at(scratch, meta, M_Y1)
     site = const_word(meta + M_SITE_XO)
+    sb, sw, ss = sig_words(scratch, meta, B_HP2)                        # TP 1: _post_mixer's signal, rows
+    _, coef1, xmid, part2 = _post_rows(scratch, meta)
     ok, rdy = waitb(scratch, meta, B_O, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
@@ -319,8 +346,8 @@ def oproj_task(W_o, S_o, xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_si
         if not NEXTN:
             ok, rdy = waitb(scratch, meta, B_CF1, rdy, pid, tag, hdr, timeout_ns)     # hc_post's coefficients
         if ok != 0:
-            _post_mixer(xs, fn2, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, ROWS_PAD, BLOCK_N, BLOCK_C,
-                        NEXTN)
+            _post_mixer(xs, fn2, y, coef1, xmid, part2, rows, a0, a1, a2, tag, fault_site, sb, sw, ss, H, ROWS_PAD,
+                        BLOCK_N, BLOCK_C, NEXTN)
     return ok, rdy
 
 
@@ -344,16 +371,20 @@ def post1_task(xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_size, a0, a1
                BLOCK_C: tl.constexpr, NEXTN: tl.constexpr):
     """o_sum (TP > 1): rank-order sum of the xo tiles a0 .. a0 + a1 - 1 -> y1, then as oproj_task (the cf1
     wait first: it comes before this rank's xd, so a stall there starves every rank). -> (ok, rdy)."""
+    sb, sw, ss = sig_words(scratch, meta, B_HP2)                        # before the waits, as the rows (waitb)
+    y1, coef1, xmid, part2 = _post_rows(scratch, meta)
+    site = const_word(meta + M_SITE_XO)
     if not NEXTN:
         ok, rdy = waitb(scratch, meta, B_CF1, rdy, pid, tag, hdr, timeout_ns)         # hc_post's coefficients
     else:
         ok = 1
     if ok != 0:
-        ok = _rank_sum_tiles(xo, f32_at(scratch, meta, M_Y1), a0, a1, rows, width, tp_rank, tp_size, tag, hdr,
-                             const_word(meta + M_SITE_XO), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
+        ok = _rank_sum_tiles(xo, y1, a0, a1, rows, width, tp_rank, tp_size, tag, hdr, site, pid, timeout_ns, H,
+                             ROWS_PAD, BLOCK_N)
     trace_mark(hdr, pid, 1)                                          # the rank sums are stored
     if ok != 0:
-        _post_mixer(xs, fn2, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, ROWS_PAD, BLOCK_N, BLOCK_C, NEXTN)
+        _post_mixer(xs, fn2, y1, coef1, xmid, part2, rows, a0, a1, a2, tag, fault_site, sb, sw, ss, H, ROWS_PAD,
+                    BLOCK_N, BLOCK_C, NEXTN)
     return ok, rdy
 
 

@@ -37,7 +37,8 @@ from ..kernels.moe import (expert_id, moe_down_group, router_finish, router_pref
                            router_store_partial, router_store_record)
 from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACT_CTA, M_ACT_FOLD, M_ACTE, M_COEF2, M_DPART,
                   M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles,
-                  act_at, add_cols, f32_at, gemv_tile, i32_at, l2_prefetch_rows, post_cols, signal, waitb, waitb2)
+                  act_at, add_cols, f32_at, gemv_tile, i32_at, l2_prefetch_rows, post_cols, sig_words,
+                  signal_at, waitb, waitb2)
 from .mixer_kda import xchg_publish
 
 FFN_BASE = tl.constexpr(40)
@@ -96,18 +97,25 @@ def swiglu_join(part, PS, out, c0, c1, limit, IW: tl.constexpr, KS: tl.constexpr
 
 
 @triton.jit
-def _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H: tl.constexpr, BLOCK_N: tl.constexpr,
-              NEXTN: tl.constexpr, B_Z: tl.constexpr):
+def _post_ffn_at(X_out, xmid, y2, coef2, sb, sw, ss, rows, a0, a1, a2, tag, fault_site, H: tl.constexpr,
+                 BLOCK_N: tl.constexpr, NEXTN: tl.constexpr):
     """After the FFN's output tiles a0 .. a0 + a1 - 1 (y2) are complete: hc_post of the FFN (xmid, y2 ->
-    X_out); NEXTN: X_out [width, H] = xmid + y2 and signal box B_Z (producer a2)."""
+    X_out); NEXTN: X_out [width, H] = xmid + y2 and signal box z (sb, sw, ss: its sig_words; producer a2)."""
     tl.debug_barrier()
     if NEXTN:
-        add_cols(f32_at(scratch, meta, M_XMID), f32_at(scratch, meta, M_Y2), X_out, rows, a0 * BLOCK_N,
-                 tl.minimum((a0 + a1) * BLOCK_N, H), H, BLOCK_N)
-        signal(scratch, meta, B_Z, a2, tag, fault_site)
+        add_cols(xmid, y2, X_out, rows, a0 * BLOCK_N, tl.minimum((a0 + a1) * BLOCK_N, H), H, BLOCK_N)
+        signal_at(sb, sw, ss, a2, tag, fault_site)
     else:
-        post_cols(f32_at(scratch, meta, M_XMID), f32_at(scratch, meta, M_Y2), f32_at(scratch, meta, M_COEF2), X_out,
-                  rows, a0 * BLOCK_N, tl.minimum((a0 + a1) * BLOCK_N, H), H, BLOCK_N)
+        post_cols(xmid, y2, coef2, X_out, rows, a0 * BLOCK_N, tl.minimum((a0 + a1) * BLOCK_N, H), H, BLOCK_N)
+
+
+@triton.jit
+def _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H: tl.constexpr, BLOCK_N: tl.constexpr,
+              NEXTN: tl.constexpr, B_Z: tl.constexpr):
+    """_post_ffn_at with its rows and box words loaded here (post2_task loads them before its waits)."""
+    sb, sw, ss = sig_words(scratch, meta, B_Z)
+    _post_ffn_at(X_out, f32_at(scratch, meta, M_XMID), f32_at(scratch, meta, M_Y2), f32_at(scratch, meta, M_COEF2),
+                 sb, sw, ss, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN)
 
 
 # ---------------------------------------------------------------------------- task families
@@ -124,6 +132,7 @@ def gu_task(W_g, S_g, W_u, S_u, scratch, meta, rows, width, a0, a1, a2, a3, rdy,
     l2_prefetch_rows(W_u + k0, a0 * BLOCK_N, I, H, BLOCK_N)
     part = f32_at(scratch, meta, M_HPART) + a3 * width * 2 * I        # meta words before the wait (see waitb)
     x = act_at(scratch, meta, M_A, ACT_F32)
+    sb, sw, ss = sig_words(scratch, meta, B_HG)
     ok, rdy = waitb(scratch, meta, B_A, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
@@ -131,7 +140,7 @@ def gu_task(W_g, S_g, W_u, S_u, scratch, meta, rows, width, a0, a1, a2, a3, rdy,
                          BLOCK_K, NUM_STAGES)
         j += 1
     if ok != 0:
-        signal(scratch, meta, B_HG, a2, tag, fault_site)
+        signal_at(sb, sw, ss, a2, tag, fault_site)
     return ok, rdy
 
 
@@ -142,22 +151,24 @@ def act_task(scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr,
     """act kind a0 = 0: columns [a2, a3) of every row's h from the hpart planes (waits hg); a0 = 1: row
     a1's expert activations act_e, flat columns [a2, a3) of its [KE, I_E] (waits xe). Producer a4 of h.
     -> (ok, rdy)."""
+    sb, sw, ss = sig_words(scratch, meta, B_H)
     if a0 == 0:
+        hpart = f32_at(scratch, meta, M_HPART)                          # meta words before the wait (ffn.waitb)
+        h = act_at(scratch, meta, M_H, ACT_F32)
         ok, rdy = waitb(scratch, meta, B_HG, rdy, pid, tag, hdr, timeout_ns)
         if ok != 0:
             r = 0
             while r < rows:
-                swiglu_join(f32_at(scratch, meta, M_HPART) + r * 2 * I, width * 2 * I,
-                            act_at(scratch, meta, M_H, ACT_F32) + r * I, a2, a3, swiglu_limit, I, KS_GU, ACT_BLOCK)
+                swiglu_join(hpart + r * 2 * I, width * 2 * I, h + r * I, a2, a3, swiglu_limit, I, KS_GU, ACT_BLOCK)
                 r += 1
     else:
+        epart = f32_at(scratch, meta, M_EPART) + a1 * KE * 2 * I_E
+        acte = act_at(scratch, meta, M_ACTE, ACT_F32) + a1 * KE * I_E
         ok, rdy = waitb(scratch, meta, B_XE, rdy, pid, tag, hdr, timeout_ns)
         if (ok != 0) & (a1 < rows):
-            swiglu_join(f32_at(scratch, meta, M_EPART) + a1 * KE * 2 * I_E, width * KE * 2 * I_E,
-                        act_at(scratch, meta, M_ACTE, ACT_F32) + a1 * KE * I_E, a2, a3, swiglu_limit, I_E, KS_E,
-                        ACT_BLOCK)
+            swiglu_join(epart, width * KE * 2 * I_E, acte, a2, a3, swiglu_limit, I_E, KS_E, ACT_BLOCK)
     if ok != 0:
-        signal(scratch, meta, B_H, a4, tag, fault_site)
+        signal_at(sb, sw, ss, a4, tag, fault_site)
     return ok, rdy
 
 
@@ -190,10 +201,14 @@ def post2_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, 
                fault_site, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NEXTN: tl.constexpr,
                B_Z: tl.constexpr):
     """down_sum (TP > 1): rank-order sum of the xd tiles a0 .. a0 + a1 - 1 -> y2, then _post_ffn. -> ok."""
-    ok = _rank_sum_tiles(xd, f32_at(scratch, meta, M_Y2), a0, a1, rows, width, tp_rank, tp_size, tag, hdr,
-                         const_word(meta + M_SITE_XD), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
+    y2 = f32_at(scratch, meta, M_Y2)                                    # meta words before the waits (ffn.waitb)
+    xmid = f32_at(scratch, meta, M_XMID)
+    coef2 = f32_at(scratch, meta, M_COEF2)
+    sb, sw, ss = sig_words(scratch, meta, B_Z)
+    ok = _rank_sum_tiles(xd, y2, a0, a1, rows, width, tp_rank, tp_size, tag, hdr, const_word(meta + M_SITE_XD), pid,
+                         timeout_ns, H, ROWS_PAD, BLOCK_N)
     if ok != 0:
-        _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN, B_Z)
+        _post_ffn_at(X_out, xmid, y2, coef2, sb, sw, ss, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN)
     return ok
 
 
@@ -206,11 +221,12 @@ def router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, t
     w0 = router_prefetch(W_r, a0, a1, a2, E, H, BLOCK_E, RCK)
     x = act_at(scratch, meta, M_A, ACT_F32)                             # meta words before the wait (see waitb)
     part = f32_at(scratch, meta, M_PART_R) + a4 * width * E
+    sb, sw, ss = sig_words(scratch, meta, B_RL)
     ok, rdy = waitb(scratch, meta, B_A, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         lg = router_finish(w0, W_r, x, H, rows, a0, a1, a2, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES)
         router_store_partial(part, lg, rows, a0, E, ROWS_PAD, BLOCK_E)
-        signal(scratch, meta, B_RL, a3, tag, fault_site)
+        signal_at(sb, sw, ss, a3, tag, fault_site)
     return ok, rdy
 
 
@@ -222,13 +238,15 @@ def route_task(bias_r, scratch, meta, rows, width, a0, a1, rdy, pid, tag, hdr, t
     of repeating the join and the top-k (which cost every slot ~3-4 us; 2048 slots at 8 rows). -> (ok, rdy)."""
     part = f32_at(scratch, meta, M_PART_R) + a0 * E                     # meta words before the wait (see waitb)
     nrpart = const_word(meta + M_NRPART)
+    ids_out = i32_at(scratch, meta, M_IDS) + a0 * KE
+    w_out = f32_at(scratch, meta, M_RW) + a0 * KE
+    sb, sw, ss = sig_words(scratch, meta, B_SEL)
     ok, rdy = waitb(scratch, meta, B_RL, rdy, pid, tag, hdr, timeout_ns)
     if (ok != 0) & (a0 < rows):
         ids, w = router_select(part, width * E, nrpart, bias_r, E, scaling, KE, E_PAD, K_PAD, RENORM)
-        router_store_record(i32_at(scratch, meta, M_IDS) + a0 * KE, f32_at(scratch, meta, M_RW) + a0 * KE, ids, w, KE,
-                            K_PAD)
+        router_store_record(ids_out, w_out, ids, w, KE, K_PAD)
     if ok != 0:
-        signal(scratch, meta, B_SEL, a1, tag, fault_site)
+        signal_at(sb, sw, ss, a1, tag, fault_site)
     return ok, rdy
 
 
@@ -243,6 +261,7 @@ def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy,
     x = act_at(scratch, meta, M_A, ACT_F32) + a0 * H
     KL: tl.constexpr = H // KS
     part = f32_at(scratch, meta, M_EPART) + a3 * width * KE * 2 * I_E + (a0 * KE + a1) * 2 * I_E
+    sb, sw, ss = sig_words(scratch, meta, B_XE)
     ok, rdy = waitb(scratch, meta, B_SEL, rdy, pid, tag, hdr, timeout_ns)
     if (ok != 0) & (a0 < rows):
         e = expert_id(ids, a0 * KE + a1, E)
@@ -256,7 +275,7 @@ def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy,
                          BLOCK_K, NUM_STAGES)
     trace_mark(hdr, pid, 1)                                          # the slot's partial tile is stored
     if ok != 0:
-        signal(scratch, meta, B_XE, a4, tag, fault_site)
+        signal_at(sb, sw, ss, a4, tag, fault_site)
     return ok, rdy
 
 
@@ -335,6 +354,7 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
     l2_prefetch_rows(W_d, a0 * BLOCK_N, H, I, BLOCK_N)                  # shared expert's weights
     ids = i32_at(scratch, meta, M_IDS)
     fold = const_word(meta + M_ACT_FOLD)
+    sb, sw, ss = sig_words(scratch, meta, B_DP)                         # KG > 1: the group plane's signal
     ok, rdy = waitb(scratch, meta, B_SEL, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         j = 0
@@ -372,7 +392,7 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
         if (ok != 0) & (tp_size == 1):
             _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN, B_Z)
     elif ok != 0:
-        signal(scratch, meta, B_DP, a2, tag, fault_site)
+        signal_at(sb, sw, ss, a2, tag, fault_site)
     return ok, rdy
 
 
@@ -382,6 +402,9 @@ def down_join_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, 
                    NEXTN: tl.constexpr, B_Z: tl.constexpr, KG: tl.constexpr):
     """down_join (KG > 1): tiles a0 .. a0 + a1 - 1 of every row = its KG group planes added in group order;
     TP 1: y2, then _post_ffn (producer a2); TP > 1: this rank's xd slot. -> (ok, rdy)."""
+    dpart = f32_at(scratch, meta, M_DPART)                              # meta words before the wait (ffn.waitb)
+    y2 = f32_at(scratch, meta, M_Y2)
+    site = const_word(meta + M_SITE_XD)
     if NEXTN:
         ok, rdy = waitb(scratch, meta, B_DP, rdy, pid, tag, hdr, timeout_ns)
     else:           # with hc_post's coefficients, before this rank's xd (a stall here starves every rank)
@@ -392,12 +415,11 @@ def down_join_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, 
         n0 = (a0 + j) * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         m = (offs_n[:, None] < H) & (offs_r[None, :] < rows)
-        acc = plane_sum(f32_at(scratch, meta, M_DPART), offs_r[None, :] * H + offs_n[:, None], m, width * H, KG)
+        acc = plane_sum(dpart, offs_r[None, :] * H + offs_n[:, None], m, width * H, KG)
         if tp_size == 1:
-            gemv_store(f32_at(scratch, meta, M_Y2), H, acc, rows, n0, H, ROWS_PAD, BLOCK_N)
+            gemv_store(y2, H, acc, rows, n0, H, ROWS_PAD, BLOCK_N)
         else:
-            xchg_publish(xd, acc, n0, rows, width, tp_rank, tp_size, tag, const_word(meta + M_SITE_XD), fault_site, H,
-                         ROWS_PAD, BLOCK_N)
+            xchg_publish(xd, acc, n0, rows, width, tp_rank, tp_size, tag, site, fault_site, H, ROWS_PAD, BLOCK_N)
         j += 1
     if (ok != 0) & (tp_size == 1):
         _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN, B_Z)

@@ -58,7 +58,7 @@ from sync.device import const_word, launch_begin, launch_end, trace_clock, trace
 
 from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO, M_XMID, act_at,
                   coef_task, f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows, meta_layout, oproj_task,
-                  peer_task, post1_task, signal, task_entry, waitb)
+                  peer_task, post1_task, sig_words, signal_at, task_entry, waitb)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
 from .mixer_kda import kda_block, kda_norm_task, kda_prefetch
 
@@ -93,6 +93,7 @@ def _inproj_task(W_in, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag
     l2_prefetch_rows(W_in + k0, a0 * BLOCK_N, N_IN, H, BLOCK_N)        # weights before the wait
     y = f32_at(scratch, meta, M_YIN) + a3 * width * N_IN                # meta words too (see ffn.waitb)
     x = act_at(scratch, meta, M_AIN, ACT_F32)
+    sb, sw, ss = sig_words(scratch, meta, B_YIN)
     ok, rdy = waitb(scratch, meta, B_AIN, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
@@ -100,7 +101,7 @@ def _inproj_task(W_in, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag
                   y, N_IN, W_in, 0, 0, fault_site, N_IN, H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, False)
         j += 1
     if ok != 0:
-        signal(scratch, meta, B_YIN, a2, tag, fault_site)
+        signal_at(sb, sw, ss, a2, tag, fault_site)
     return ok, rdy
 
 
@@ -111,24 +112,24 @@ def _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, on
               BV: tl.constexpr, KC: tl.constexpr, CK: tl.constexpr, ACT_F32: tl.constexpr, KS: tl.constexpr):
     """kda: row a0, head a1, value block a2, producer a3 (of o when BV == DV, else of oraw). -> (ok, rdy)."""
     NB: tl.constexpr = DV // BV
+    sb, sw, ss = sig_words(scratch, meta, B_O if NB == 1 else B_ORAW)
     ok = 1
     if a0 < rows:
         v0 = a1 * DV + a2 * BV                                          # the state block toward L2 before the wait
         l2_prefetch_rows(S_in + a0.to(tl.int64) * NH * DV * DK, v0, v0 + BV, DK, BV)
         l2_prefetch_rows(f_b, a1 * DK, NH * DK, R, DK)                   # the head's f_b rows and the block's g_b
         l2_prefetch_rows(g_b, v0, NH * DV, R, BV)                        # rows (kda_lowrank), likewise
+        yin = f32_at(scratch, meta, M_YIN)                              # meta words before the wait (ffn.waitb)
+        o = act_at(scratch, meta, M_ON, ACT_F32)
+        oraw = f32_at(scratch, meta, M_ORAW)
+        ssq = f32_at(scratch, meta, M_SSQ)
         ok, rdy = waitb(scratch, meta, B_YIN, rdy, pid, tag, hdr, timeout_ns)
         if ok != 0:
             S_blk = kda_prefetch(S_in, a0, a1, a2 * BV, NH, DK, DV, BV)
-            kda_block(S_blk, a0, a1, a2 * BV, f32_at(scratch, meta, M_YIN), S_out, win_in, win_out, conv_w, A_log,
-                      dt_bias, f_b, g_b, onorm_w, act_at(scratch, meta, M_ON, ACT_F32), f32_at(scratch, meta, M_ORAW),
-                      f32_at(scratch, meta, M_SSQ), eps, lower_bound, width * N_IN, hdr, pid, D, NH, R, N_IN, DK, DV,
-                      BV, KC, CK, KS)
+            kda_block(S_blk, a0, a1, a2 * BV, yin, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w,
+                      o, oraw, ssq, eps, lower_bound, width * N_IN, hdr, pid, D, NH, R, N_IN, DK, DV, BV, KC, CK, KS)
     if ok != 0:
-        if NB == 1:
-            signal(scratch, meta, B_O, a3, tag, fault_site)
-        else:
-            signal(scratch, meta, B_ORAW, a3, tag, fault_site)
+        signal_at(sb, sw, ss, a3, tag, fault_site)
     return ok, rdy
 
 
@@ -137,13 +138,17 @@ def _kda_norm_task(g_b, onorm_w, scratch, meta, rows, width, a0, a1, a2, a3, rdy
                    fault_site, eps, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr, N_IN: tl.constexpr,
                    DV: tl.constexpr, BV: tl.constexpr, CK: tl.constexpr, ACT_F32: tl.constexpr, KS: tl.constexpr):
     """kda_norm: row a0, head a1, block a2 after the oraw wait, producer a3 of o. -> (ok, rdy)."""
+    sb, sw, ss = sig_words(scratch, meta, B_O)
+    yin = f32_at(scratch, meta, M_YIN)                                  # meta words before the wait (ffn.waitb)
+    o = act_at(scratch, meta, M_ON, ACT_F32)
+    oraw = f32_at(scratch, meta, M_ORAW)
+    ssq = f32_at(scratch, meta, M_SSQ)
     ok, rdy = waitb(scratch, meta, B_ORAW, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         if a0 < rows:
-            kda_norm_task(a0, a1, a2 * BV, f32_at(scratch, meta, M_YIN), g_b, onorm_w,
-                          act_at(scratch, meta, M_ON, ACT_F32), f32_at(scratch, meta, M_ORAW),
-                          f32_at(scratch, meta, M_SSQ), eps, width * N_IN, D, NH, R, N_IN, DV, BV, CK, KS)
-        signal(scratch, meta, B_O, a3, tag, fault_site)
+            kda_norm_task(a0, a1, a2 * BV, yin, g_b, onorm_w, o, oraw, ssq, eps, width * N_IN, D, NH, R, N_IN, DV, BV,
+                          CK, KS)
+        signal_at(sb, sw, ss, a3, tag, fault_site)
     return ok, rdy
 
 

@@ -36,7 +36,7 @@ from ..kernels.mla import (mla_absorb_finish, mla_absorb_prefetch, mla_attend_ti
                            mla_out_prefetch)
 from .ffn import (B_A, B_AIN, B_HP2, B_O, COMMON_BOXES, COMMON_ROWS, M_A, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO,
                   M_XMID, act_at, coef_task, f32_at, gate_task, hc_pre_task, i32_at, l2_prefetch_rows, meta_layout,
-                  oproj_task, peer_task, post1_task, signal, task_entry, waitb)
+                  oproj_task, peer_task, post1_task, sig_words, signal, signal_at, task_entry, waitb)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
 from .mixer_dsa import dsa_norm_finish, dsa_norm_prefetch, gemv_tiles, rms_row
 
@@ -91,6 +91,7 @@ def _mat_a_task(W_qa, S_qa, W_kva, S_kva, W_ix, scratch, meta, rows, width, a0, 
         l2_prefetch_rows(W_ix + k0, a1 * BLOCK_N, 2 * DI + NI, H, BLOCK_N)
     xin = act_at(scratch, meta, M_AIN, ACT_F32)
     ya = f32_at(scratch, meta, M_YA) + a4 * width * NA
+    sb, sw, ss = sig_words(scratch, meta, B_YA)
     ok, rdy = waitb(scratch, meta, B_AIN, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         if a0 == 0:
@@ -102,7 +103,7 @@ def _mat_a_task(W_qa, S_qa, W_kva, S_kva, W_ix, scratch, meta, rows, width, a0, 
         else:
             gemv_tiles(W_ix, W_ix, xin, H, ya + QL + C, NA, rows, a1, a2, k0, k0 + KL, 2 * DI + NI, H, ROWS_PAD,
                        BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
-        signal(scratch, meta, B_YA, a3, tag, fault_site)
+        signal_at(sb, sw, ss, a3, tag, fault_site)
     return ok, rdy
 
 
@@ -121,6 +122,7 @@ def _dsa_norm_task(positions, slots, latent, lat_ss, pool_keys, pk_ss, tail, tai
     wq, wc, lw, lb, keys, z = dsa_norm_prefetch(qa_ln, kva_ln, kn_w, kn_b, ape, ring, pos, QL, C, DI, KP, Q_PAD, C_PAD)
     ya_r = f32_at(scratch, meta, M_YA) + a0 * NA
     qr_r = act_at(scratch, meta, M_QR, ACT_F32) + a0 * QL
+    sb, sw, ss = sig_words(scratch, meta, B_QR)
     ok, rdy = waitb(scratch, meta, B_YA, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         if a0 < rows:
@@ -128,7 +130,7 @@ def _dsa_norm_task(positions, slots, latent, lat_ss, pool_keys, pk_ss, tail, tai
                             latent + slot * _slot_stride(lat_ss) + pos.to(tl.int64) * C, ring,
                             pool_keys + slot * _slot_stride(pk_ss), pos, eps,
                             QL, C, DI, NI, KP, KS, Q_PAD, C_PAD, NI_PAD)
-        signal(scratch, meta, B_QR, a1, tag, fault_site)
+        signal_at(sb, sw, ss, a1, tag, fault_site)
     return ok, rdy
 
 
@@ -138,11 +140,12 @@ def _absorb_task(kv_b, S_kvb, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hd
                  ROWS_PAD: tl.constexpr, ABS_C: tl.constexpr, ABS_CK: tl.constexpr):
     """absorb: head a0, C tile a1 -> q~ = q_h W_UK,h (fp32); producer a2 of ql. W_UK's tile loads before the wait."""
     w_uk = mla_absorb_prefetch(kv_b, a0, a1 * ABS_C, DN, DV, C, ABS_C, ABS_CK)
+    sb, sw, ss = sig_words(scratch, meta, B_QL)
     ok, rdy = waitb(scratch, meta, B_Q, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         mla_absorb_finish(w_uk, kv_b, S_kvb, f32_at(scratch, meta, M_YQ), NQ, f32_at(scratch, meta, M_QLAT),
                           rows, a0, a1 * ABS_C, NH, DN, DV, C, ROWS_PAD, ABS_C, ABS_CK)
-        signal(scratch, meta, B_QL, a2, tag, fault_site)
+        signal_at(sb, sw, ss, a2, tag, fault_site)
     return ok, rdy
 
 
@@ -161,6 +164,7 @@ def _score_task(positions, slots, pool_keys, pk_ss, scratch, meta, rows, pmax, s
                 BLOCK_P: tl.constexpr, HIST_W: tl.constexpr):
     """score: row a0, pool chunk a1: the chunk's pool scores, then radix pass 0 of the top-k over them;
     producer a2 of hs0."""
+    sb, sw, ss = sig_words(scratch, meta, B_HS0)
     ok, rdy = waitb(scratch, meta, B_Q, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         if a0 < rows:
@@ -177,7 +181,7 @@ def _score_task(positions, slots, pool_keys, pk_ss, scratch, meta, rows, pmax, s
                 topk_hist_pass(sc, i32_at(scratch, meta, M_HIST) + a0 * HIST_W, _jstate(scratch, meta, a0, T_MAX, BITS),
                                a1, 0, sel_chunk, P, TOPK,
                                T_MAX, BITS, SEL_BLOCK)
-        signal(scratch, meta, B_HS0, a2, tag, fault_site)
+        signal_at(sb, sw, ss, a2, tag, fault_site)
     return ok, rdy
 
 
@@ -186,6 +190,7 @@ def _hist_task(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, a3, 
                fault_site, KP: tl.constexpr, TOPK: tl.constexpr, T_MAX: tl.constexpr, BITS: tl.constexpr,
                SEL_BLOCK: tl.constexpr, HIST_W: tl.constexpr):
     """hist: row a0, chunk a1, radix pass a2 (1..3; nothing while P <= TOPK); producer a3 of hs(a2)."""
+    sb, sw, ss = sig_words(scratch, meta, B_HS0 + a2)
     ok, rdy = waitb(scratch, meta, B_HS0 + a2 - 1, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         if a0 < rows:
@@ -194,7 +199,7 @@ def _hist_task(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, a3, 
                 topk_hist_pass(f32_at(scratch, meta, M_SC) + a0 * pmax, i32_at(scratch, meta, M_HIST) +
                                a0 * HIST_W, _jstate(scratch, meta, a0, T_MAX, BITS), a1, a2, sel_chunk, P, TOPK, T_MAX,
                                BITS, SEL_BLOCK)
-        signal(scratch, meta, B_HS0 + a2, a3, tag, fault_site)
+        signal_at(sb, sw, ss, a3, tag, fault_site)
     return ok, rdy
 
 
@@ -204,6 +209,7 @@ def _select_task(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, rd
                  BITS: tl.constexpr, SEL_BLOCK: tl.constexpr, HIST_W: tl.constexpr):
     """select: row a0, chunk a1: its selected pools -> token indices (ascending) + the tail, -1 pad;
     producer a2 of idx."""
+    sb, sw, ss = sig_words(scratch, meta, B_IDX)
     ok, rdy = waitb(scratch, meta, B_HS3, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         if a0 < rows:
@@ -214,7 +220,7 @@ def _select_task(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, rd
                            _jstate(scratch, meta, a0, T_MAX, BITS),
                            i32_at(scratch, meta, M_IDX) + a0 * WIDTH, a1, sel_chunk, P, pos, TOPK, KP, WIDTH,
                            T_MAX, BITS, SEL_BLOCK)
-        signal(scratch, meta, B_IDX, a2, tag, fault_site)
+        signal_at(sb, sw, ss, a2, tag, fault_site)
     return ok, rdy
 
 
@@ -225,6 +231,7 @@ def _attend_task(positions, slots, latent, lat_ss, scratch, meta, rows, n_splits
                  ATT_CK: tl.constexpr):
     """attend: row a0, head group a1, split a2 = token tile [a2 tpt, a2 tpt + BLOCK_T): split-softmax
     partials over those selected latent rows (tpt == BLOCK_T: one tile a task); producer a3 of att."""
+    sb, sw, ss = sig_words(scratch, meta, B_ATT)
     ok, rdy = waitb(scratch, meta, B_IDX, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         ok, rdy = waitb(scratch, meta, B_QL, rdy, pid, tag, hdr, timeout_ns)
@@ -239,7 +246,7 @@ def _attend_task(positions, slots, latent, lat_ss, scratch, meta, rows, n_splits
                             latent + slot * _slot_stride(lat_ss), f32_at(scratch, meta, M_PM) + part,
                             f32_at(scratch, meta, M_PL) + part, f32_at(scratch, meta, M_PACC) + part * C,
                             a1 * HB, a2, a2 * tpt, n_sel, n_splits, att_scale, NH, C, HB, BLOCK_T, ATT_CK)
-        signal(scratch, meta, B_ATT, a3, tag, fault_site)
+        signal_at(sb, sw, ss, a3, tag, fault_site)
     return ok, rdy
 
 
@@ -252,6 +259,7 @@ def _join_task(kv_b, S_kvb, scratch, meta, rows, n_splits, a0, a1, a2, rdy, pid,
     of o. W_UV's tile loads before the wait."""
     DO: tl.constexpr = NH * DV
     w_uv = mla_out_prefetch(kv_b, a0, a1 * OUT_N, DN, DV, C, OUT_N, OUT_PF)
+    sb, sw, ss = sig_words(scratch, meta, B_O)
     ok, rdy = waitb(scratch, meta, B_ATT, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         tl.debug_barrier()                                 # the CTA's ctx scratch is free (earlier task done)
@@ -262,7 +270,7 @@ def _join_task(kv_b, S_kvb, scratch, meta, rows, n_splits, a0, a1, a2, rdy, pid,
         mla_out_ctx(w_uv, kv_b, S_kvb, ctx, act_at(scratch, meta, M_ON, ACT_F32), DO, rows, a0, a1 * OUT_N, DN, DV, C,
                     ROWS_PAD, OUT_N, OUT_PF, OUT_PF, 2)   # 2 stages: registers
         trace_mark(hdr, pid, 2)                            # W_UV's tile is applied and stored
-        signal(scratch, meta, B_O, a2, tag, fault_site)
+        signal_at(sb, sw, ss, a2, tag, fault_site)
     return ok, rdy
 
 
@@ -343,6 +351,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                     l2_prefetch_rows(W_qb, a1 * BLOCK_N, NH * DN, QL, BLOCK_N)
                 else:
                     l2_prefetch_rows(W_iqb, a1 * BLOCK_N, NI * DI, QL, BLOCK_N)
+                sb, sw, ss = sig_words(scratch, meta, B_Q)
                 ok, rdy = waitb(scratch, meta, B_QR, rdy, pid, tag, hdr, timeout_ns)
                 if ok != 0:
                     if a0 == 0:
@@ -352,7 +361,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         gemv_tiles(W_iqb, W_iqb, xin, QL, yq + NH * DN, NQ, rows, a1, a2, 0, QL, NI * DI, QL, ROWS_PAD,
                                    BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
                 if ok != 0:
-                    signal(scratch, meta, B_Q, a3, tag, fault_site)
+                    signal_at(sb, sw, ss, a3, tag, fault_site)
             elif fam == 5:                                 # absorb: head a0, C tile a1, producer a2
                 ok, rdy = _absorb_task(kv_b, S_kvb, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns,
                                        fault_site, NQ, NH, DN, DV, C, ROWS_PAD, ABS_C, ABS_CK)
