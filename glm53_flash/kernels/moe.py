@@ -179,6 +179,14 @@ def router_select(part, stride_p, n_parts, bias, E, scaling, K: tl.constexpr, E_
     masked plane adds +0.0, which changes no bits), so 16 parts cost 2 dependent L2 round trips, not 16.
     Each pick is ONE CTA-wide reduction (max of _order_key: value and lowest index together) instead of
     three (max, argmin, gather); the weights are gathered once after the loop."""
+    logit = router_logits(part, stride_p, n_parts, E, E_PAD)
+    return router_topk(logit, bias, E, scaling, K, E_PAD, K_PAD, RENORM)
+
+
+@triton.jit
+def router_logits(part, stride_p, n_parts, E, E_PAD: tl.constexpr):
+    """router_select's first half: one row's logits [E_PAD] fp32 (0 past E), its n_parts partial planes added in
+    part order."""
     e = tl.arange(0, E_PAD)
     m = e < E
     logit = tl.zeros([E_PAD], dtype=tl.float32)
@@ -201,6 +209,15 @@ def router_select(part, stride_p, n_parts, bias, E, scaling, K: tl.constexpr, E_
         logit += v6
         logit += v7
         p += 8
+    return logit
+
+
+@triton.jit
+def router_topk(logit, bias, E, scaling, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                RENORM: tl.constexpr):
+    """router_select's second half: (ids, weights) from the row's logits."""
+    e = tl.arange(0, E_PAD)
+    m = e < E
     s = tl.sigmoid(logit)                                                     # [E_PAD] fp32
     choice = tl.where(m, s + tl.load(bias + e, mask=m, other=0.0), float("-inf"))
     key = _order_key(choice, e)

@@ -33,8 +33,8 @@ from sync.device import const_word, trace_mark
 
 from ..kernels.gemv import gemv_store, gemv_stream, plane_sum
 from ..kernels.mlp import swiglu_clamped
-from ..kernels.moe import (expert_id, moe_down_group, router_finish, router_prefetch, router_select,
-                           router_store_partial, router_store_record)
+from ..kernels.moe import (expert_id, moe_down_group, router_finish, router_logits, router_prefetch,
+                           router_store_partial, router_store_record, router_topk)
 from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACT_CTA, M_ACT_FOLD, M_ACTE, M_COEF2, M_DPART,
                   M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles,
                   act_at, add_cols, f32_at, gemv_tile, i32_at, l2_prefetch_rows, post_cols, sig_words,
@@ -243,8 +243,12 @@ def route_task(bias_r, scratch, meta, rows, width, a0, a1, rdy, pid, tag, hdr, t
     sb, sw, ss = sig_words(scratch, meta, B_SEL)
     ok, rdy = waitb(scratch, meta, B_RL, rdy, pid, tag, hdr, timeout_ns)
     if (ok != 0) & (a0 < rows):
-        ids, w = router_select(part, width * E, nrpart, bias_r, E, scaling, KE, E_PAD, K_PAD, RENORM)
+        logit = router_logits(part, width * E, nrpart, E, E_PAD)        # router_select, with marks between
+        trace_mark(hdr, pid, 1)                                          # the partials are joined
+        ids, w = router_topk(logit, bias_r, E, scaling, KE, E_PAD, K_PAD, RENORM)
+        trace_mark(hdr, pid, 2)                                          # the top-k is picked
         router_store_record(ids_out, w_out, ids, w, KE, K_PAD)
+        trace_mark(hdr, pid, 3)                                          # the record is stored
     if ok != 0:
         signal_at(sb, sw, ss, a1, tag, fault_site)
     return ok, rdy
