@@ -108,11 +108,11 @@ def task_entry(table, i):
 @triton.jit
 def sig_words(scratch, meta, b):
     """(box base, words per consumer line, site) of box b: what a signal of b needs, loaded where a task starts,
-    before its wait. After the wait they cost the task's end three dependent L2 round trips (its fence's
-    CCTL.IVALL empties L1; the site decides the fault branch, then the offset, then the line width) before
-    the release fence: ~1 us on every critical-path task (sm_90 SASS of every family, 2026-12-03)."""
-    m = meta + BOX_BASE + 4 * b
-    return scratch + const_word(m), const_word(m + 1), const_word(m + 3)
+    before its wait. Loaded at the signal, they were three dependent loads after the wait's fence (the site
+    decides the fault branch, then the offset, then the line width) right before the release fence; mostly L1
+    hits after all: -0.5 to -3 us a launch (H200, bench/RESULTS.md step 20)."""
+    box, words, _, site = box_at(scratch, meta, b)
+    return box, words, site
 
 
 @triton.jit

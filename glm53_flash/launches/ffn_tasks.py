@@ -110,12 +110,18 @@ def _post_ffn_at(X_out, xmid, y2, coef2, sb, sw, ss, rows, a0, a1, a2, tag, faul
 
 
 @triton.jit
+def _ffn_rows(scratch, meta):
+    """The rows _post_ffn_at reads (xmid, y2, coef2)."""
+    return f32_at(scratch, meta, M_XMID), f32_at(scratch, meta, M_Y2), f32_at(scratch, meta, M_COEF2)
+
+
+@triton.jit
 def _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H: tl.constexpr, BLOCK_N: tl.constexpr,
               NEXTN: tl.constexpr, B_Z: tl.constexpr):
     """_post_ffn_at with its rows and box words loaded here (post2_task loads them before its waits)."""
+    xmid, y2, coef2 = _ffn_rows(scratch, meta)
     sb, sw, ss = sig_words(scratch, meta, B_Z)
-    _post_ffn_at(X_out, f32_at(scratch, meta, M_XMID), f32_at(scratch, meta, M_Y2), f32_at(scratch, meta, M_COEF2),
-                 sb, sw, ss, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN)
+    _post_ffn_at(X_out, xmid, y2, coef2, sb, sw, ss, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN)
 
 
 # ---------------------------------------------------------------------------- task families
@@ -201,9 +207,7 @@ def post2_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, 
                fault_site, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NEXTN: tl.constexpr,
                B_Z: tl.constexpr):
     """down_sum (TP > 1): rank-order sum of the xd tiles a0 .. a0 + a1 - 1 -> y2, then _post_ffn. -> ok."""
-    y2 = f32_at(scratch, meta, M_Y2)                                    # meta words before the waits (ffn.waitb)
-    xmid = f32_at(scratch, meta, M_XMID)
-    coef2 = f32_at(scratch, meta, M_COEF2)
+    xmid, y2, coef2 = _ffn_rows(scratch, meta)                          # meta words before the waits (ffn.waitb)
     sb, sw, ss = sig_words(scratch, meta, B_Z)
     ok = _rank_sum_tiles(xd, y2, a0, a1, rows, width, tp_rank, tp_size, tag, hdr, const_word(meta + M_SITE_XD), pid,
                          timeout_ns, H, ROWS_PAD, BLOCK_N)
