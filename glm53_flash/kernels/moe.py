@@ -223,11 +223,13 @@ def router_topk(logit, bias, E, scaling, K: tl.constexpr, E_PAD: tl.constexpr, K
     key = _order_key(choice, e)
     kk = tl.arange(0, K_PAD)
     ids = tl.zeros([K_PAD], dtype=tl.int32)
-    for j in tl.static_range(K):
+    j = 0
+    while j < K:            # a loop, not unrolled: one copy of the pick's code (see the note below)
         best = tl.max(key, axis=0)
         idx = (~best & LOW32).to(tl.int32)                                    # lowest index among equals
         ids = tl.where(kk == j, idx, ids)
         key = tl.where(e == idx, KEY_MIN, key)
+        j += 1
     # weights: s of each chosen expert, one 2-D gather (entries >= K stay 0)
     w = tl.sum(tl.where((e[None, :] == ids[:, None]) & (kk[:, None] < K), s[None, :], 0.0), axis=1)
     if RENORM:
