@@ -59,6 +59,16 @@ def box_at(scratch, meta, b):
     return scratch + const_word(m), const_word(m + 1), const_word(m + 2), const_word(m + 3)
 
 
+@triton.jit
+def runtime_i32(v):
+    """v as a runtime i32 scalar. A noinline function called with a constexpr argument is compiled once per value
+    (the kda kernel held 15 copies of the ~200-instruction wait spin, one per box index, and two of the gate and
+    coef tasks); called with a runtime value, once. Code a task runs that is not in its SM's instruction cache
+    costs ~6 cycles an instruction to fetch (H200: the route's top-k, bench/RESULTS.md step 23), so every copy
+    the SM's cache must hold beside the others is paid for on the critical path."""
+    return v + tl.zeros([], tl.int32)
+
+
 @triton.jit(noinline=True)
 def _wait_box(scratch, meta, b, pid, tag, hdr, timeout_ns):
     box, words, nprod, site = box_at(scratch, meta, b)
@@ -72,7 +82,7 @@ def waitb(scratch, meta, b, ready, pid, tag, hdr, timeout_ns):
     L2 round trip on the task's critical path: families load the meta words they need before waitb."""
     ok = (ready >> b) & 1
     if ok == 0:
-        ok = _wait_box(scratch, meta, b, pid, tag, hdr, timeout_ns)
+        ok = _wait_box(scratch, meta, runtime_i32(b), pid, tag, hdr, timeout_ns)
     return ok, ready | (ok << b)
 
 
@@ -92,7 +102,7 @@ def waitb2(scratch, meta, b1, b2, ready, pid, tag, hdr, timeout_ns):
     elif ((ready >> b2) & 1) != 0:
         ok, ready = waitb(scratch, meta, b1, ready, pid, tag, hdr, timeout_ns)
     else:
-        ok = _wait_box2(scratch, meta, b1, b2, pid, tag, hdr, timeout_ns)
+        ok = _wait_box2(scratch, meta, runtime_i32(b1), runtime_i32(b2), pid, tag, hdr, timeout_ns)
         ready = ready | (ok << b1) | (ok << b2)
     return ok, ready
 
@@ -115,10 +125,17 @@ def sig_words(scratch, meta, b):
     return box, words, site
 
 
+@triton.jit(noinline=True)
+def _signal_at(box, words, site, producer, tag, fault_site):
+    signal_box(box, tl.num_programs(0), words, producer, tag, site, fault_site, 128)
+
+
 @triton.jit
 def signal_at(box, words, site, producer, tag, fault_site):
-    """Producer `producer` signals the box whose sig_words are (box, words, site)."""
-    signal_box(box, tl.num_programs(0), words, producer, tag, site, fault_site, 128)
+    """Producer `producer` signals the box whose sig_words are (box, words, site). One compiled copy for every
+    family (noinline, runtime producer: runtime_i32): the ~75 instructions of the barrier, fence and store loop
+    stay in the SM's instruction cache from one task's signal to the next instead of one cold copy a family."""
+    _signal_at(box, words, site, runtime_i32(producer), tag, fault_site)
 
 
 @triton.jit
@@ -261,25 +278,29 @@ def hc_pre_task(xs, fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2, tag, 
 
 
 @triton.jit
-def _hc_slots(scratch, meta, SECOND: tl.constexpr):
-    """(hc_pre partial slots, their count, coefficient rows) of the mixer's mHC, or with SECOND the FFN's."""
-    if SECOND:
-        return f32_at(scratch, meta, M_PART2), const_word(meta + M_NPART2), f32_at(scratch, meta, M_COEF2)
-    else:
-        return f32_at(scratch, meta, M_PART1), const_word(meta + M_NPART1), f32_at(scratch, meta, M_COEF1)
+def _pick(second, first_v, second_v):
+    """first_v or second_v by a runtime flag (0 / 1), as arithmetic: one compiled copy serves both mHCs."""
+    return first_v + second * (second_v - first_v)
+
+
+@triton.jit
+def _hc_slots(scratch, meta, second):
+    """(hc_pre partial slots, their count, coefficient rows) of the mixer's mHC, or with second (1) the FFN's."""
+    return (f32_at(scratch, meta, _pick(second, M_PART1, M_PART2)),
+            const_word(meta + _pick(second, M_NPART1, M_NPART2)), f32_at(scratch, meta, _pick(second, M_COEF1, M_COEF2)))
 
 
 @triton.jit(noinline=True)
 def gate_task(xs, base, scale, ln, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps,
-              hc_eps, SECOND: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, GATE_BH: tl.constexpr,
+              hc_eps, second, H: tl.constexpr, ROWS_PAD: tl.constexpr, GATE_BH: tl.constexpr,
               ACT_F32: tl.constexpr):
-    """gate1 (SECOND False: waits hp1, writes a_in) or gate2 (waits hp2, writes a): columns [a0, a0 +
-    GATE_BH) of row a2's gate row from the streams xs, producer a1. One task per (row, column tile): rows
-    run in parallel, not one after another. -> (ok, rdy)."""
-    part, n_parts, _ = _hc_slots(scratch, meta, SECOND)               # meta words before the wait (waitb)
-    out = act_at(scratch, meta, M_A if SECOND else M_AIN, ACT_F32)
-    sb, sw, ss = sig_words(scratch, meta, B_A if SECOND else B_AIN)
-    ok, rdy = waitb(scratch, meta, B_HP2 if SECOND else B_HP1, rdy, pid, tag, hdr, timeout_ns)
+    """gate1 (second 0: waits hp1, writes a_in) or gate2 (second 1: waits hp2, writes a; a runtime flag:
+    runtime_i32): columns [a0, a0 + GATE_BH) of row a2's gate row from the streams xs, producer a1. One task
+    per (row, column tile): rows run in parallel, not one after another. -> (ok, rdy)."""
+    part, n_parts, _ = _hc_slots(scratch, meta, second)               # meta words before the wait (waitb)
+    out = act_at(scratch, meta, _pick(second, M_AIN, M_A), ACT_F32)
+    sb, sw, ss = sig_words(scratch, meta, _pick(second, B_AIN, B_A))
+    ok, rdy = waitb(scratch, meta, _pick(second, B_HP1, B_HP2), rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         gate_row(xs, part, n_parts, base, scale, ln, out, a2, rows, a0, eps, hc_eps, hdr, pid, H, ROWS_PAD, GATE_BH)
         signal_at(sb, sw, ss, a1, tag, fault_site)
@@ -288,14 +309,14 @@ def gate_task(xs, base, scale, ln, scratch, meta, rows, a0, a1, a2, rdy, pid, ta
 
 @triton.jit(noinline=True)
 def coef_task(base, scale, scratch, meta, rows, a0, a1, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps,
-              SECOND: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, ITERS: tl.constexpr):
-    """coef1 (SECOND False: waits hp1 -> coef1, box cf1) or coef2 (hp2 -> coef2, cf2): row a0's mHC
+              second, H: tl.constexpr, ROWS_PAD: tl.constexpr, ITERS: tl.constexpr):
+    """coef1 (second 0: waits hp1 -> coef1, box cf1) or coef2 (second 1: hp2 -> coef2, cf2): row a0's mHC
     coefficients with the Sinkhorn, producer a1. Beside the gate tasks, on a CTA of its own: only hc_post
     needs post / comb, a few stages later (it waits on cf1 / cf2), so the Sinkhorn (~5 us traced on the
     H200) is off the gate row's critical path. -> (ok, rdy)."""
-    part, n_parts, coef = _hc_slots(scratch, meta, SECOND)            # meta words before the wait (waitb)
-    sb, sw, ss = sig_words(scratch, meta, B_CF2 if SECOND else B_CF1)
-    ok, rdy = waitb(scratch, meta, B_HP2 if SECOND else B_HP1, rdy, pid, tag, hdr, timeout_ns)
+    part, n_parts, coef = _hc_slots(scratch, meta, second)            # meta words before the wait (waitb)
+    sb, sw, ss = sig_words(scratch, meta, _pick(second, B_CF1, B_CF2))
+    ok, rdy = waitb(scratch, meta, _pick(second, B_HP1, B_HP2), rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         coef_row(part, n_parts, base, scale, coef, a0, rows, eps, hc_eps, H, ROWS_PAD, ITERS)
         signal_at(sb, sw, ss, a1, tag, fault_site)

@@ -58,7 +58,7 @@ from sync.device import const_word, launch_begin, launch_end, trace_clock, trace
 
 from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO, M_XMID, act_at,
                   coef_task, f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows, meta_layout, oproj_task,
-                  peer_task, post1_task, sig_words, signal_at, task_entry, waitb)
+                  peer_task, post1_task, runtime_i32, sig_words, signal_at, task_entry, waitb)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
 from .mixer_kda import kda_block, kda_norm_task, kda_prefetch
 
@@ -192,8 +192,8 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                             tag, fault_site, H, ROWS_PAD, BLOCK_N, BLOCK_C, EMBED)
             elif fam == 1:                                 # gate1: columns [a0, a0 + GATE_BH), producer a1
                 ok, rdy = gate_task(_streams(X, scratch, meta, EMBED), base1, scale1, ln1, scratch, meta, rows, a0, a1,
-                                    a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, False, H, ROWS_PAD,
-                                    GATE_BH, ACT_F32)
+                                    a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, runtime_i32(0), H,
+                                    ROWS_PAD, GATE_BH, ACT_F32)
             elif fam == 2:                                 # inproj: tiles a0 .. a0 + a1 - 1, producer a2
                 ok, rdy = _inproj_task(W_in, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr,
                                        timeout_ns, fault_site, H, N_IN, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES,
@@ -215,14 +215,14 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                                      BLOCK_N, BLOCK_C, False)
             elif fam == 7:                                 # gate2: columns [a0, a0 + GATE_BH), producer a1
                 ok, rdy = gate_task(f32_at(scratch, meta, M_XMID), base2, scale2, ln2, scratch, meta, rows, a0, a1,
-                                    a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, True, H, ROWS_PAD,
-                                    GATE_BH, ACT_F32)
+                                    a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, runtime_i32(1), H,
+                                    ROWS_PAD, GATE_BH, ACT_F32)
             elif fam == 8:                                 # coef1: row a0's hc_post coefficients, producer a1
                 ok, rdy = coef_task(base1, scale1, scratch, meta, rows, a0, a1, rdy, pid, tag, hdr, timeout_ns,
-                                    fault_site, eps, hc_eps, False, H, ROWS_PAD, ITERS)
+                                    fault_site, eps, hc_eps, runtime_i32(0), H, ROWS_PAD, ITERS)
             elif fam == 9:                                 # coef2
                 ok, rdy = coef_task(base2, scale2, scratch, meta, rows, a0, a1, rdy, pid, tag, hdr, timeout_ns,
-                                    fault_site, eps, hc_eps, True, H, ROWS_PAD, ITERS)
+                                    fault_site, eps, hc_eps, runtime_i32(1), H, ROWS_PAD, ITERS)
             elif fam == 11:                                # peer_o (loopback): rank a0's tiles a1 .. a1 + a2 - 1
                 peer_task(xo, peer_o, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, tag, fault_site,
                           M_SITE_XO, H, ROWS_PAD, BLOCK_N)

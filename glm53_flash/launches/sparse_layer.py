@@ -36,7 +36,8 @@ from ..kernels.mla import (mla_absorb_finish, mla_absorb_prefetch, mla_attend_ti
                            mla_out_prefetch)
 from .ffn import (B_A, B_AIN, B_HP2, B_O, COMMON_BOXES, COMMON_ROWS, M_A, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO,
                   M_XMID, act_at, coef_task, f32_at, gate_task, hc_pre_task, i32_at, l2_prefetch_rows, meta_layout,
-                  oproj_task, peer_task, post1_task, sig_words, signal, signal_at, task_entry, waitb)
+                  oproj_task, peer_task, post1_task, runtime_i32, sig_words, signal, signal_at, task_entry,
+                  waitb)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
 from .mixer_dsa import dsa_norm_finish, dsa_norm_prefetch, gemv_tiles, rms_row
 
@@ -334,7 +335,8 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
             elif fam == 1:                                 # gate1: columns [a0, a0 + GATE_BH), producer a1
                 if not NEXTN:
                     ok, rdy = gate_task(X, base1, scale1, ln1, scratch, meta, rows, a0, a1, a2, rdy, pid, tag, hdr,
-                                        timeout_ns, fault_site, eps, hc_eps, False, H, ROWS_PAD, GATE_BH, ACT_F32)
+                                        timeout_ns, fault_site, eps, hc_eps, runtime_i32(0), H, ROWS_PAD, GATE_BH,
+                                        ACT_F32)
             elif fam == 2:                                 # mat_a: matrix a0, tiles a1 .. a1 + a2 - 1, producer a3, K slice a4
                 ok, rdy = _mat_a_task(W_qa, S_qa, W_kva, S_kva, W_ix, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy,
                                       pid, tag, hdr, timeout_ns, fault_site, H, QL, C, DI, NI, NA, ROWS_PAD, BLOCK_N,
@@ -393,14 +395,14 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                                      BLOCK_N, BLOCK_C, NEXTN)
             elif fam == 13:                                # gate2: columns [a0, a0 + GATE_BH), producer a1
                 ok, rdy = gate_task(f32_at(scratch, meta, M_XMID), base2, scale2, ln2, scratch, meta, rows, a0, a1,
-                                    a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, True, H, ROWS_PAD,
-                                    GATE_BH, ACT_F32)
+                                    a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, runtime_i32(1), H,
+                                    ROWS_PAD, GATE_BH, ACT_F32)
             elif fam == 14:                                # coef1: row a0's hc_post coefficients, producer a1
                 ok, rdy = coef_task(base1, scale1, scratch, meta, rows, a0, a1, rdy, pid, tag, hdr, timeout_ns,
-                                    fault_site, eps, hc_eps, False, H, ROWS_PAD, ITERS)
+                                    fault_site, eps, hc_eps, runtime_i32(0), H, ROWS_PAD, ITERS)
             elif fam == 15:                                # coef2
                 ok, rdy = coef_task(base2, scale2, scratch, meta, rows, a0, a1, rdy, pid, tag, hdr, timeout_ns,
-                                    fault_site, eps, hc_eps, True, H, ROWS_PAD, ITERS)
+                                    fault_site, eps, hc_eps, runtime_i32(1), H, ROWS_PAD, ITERS)
             elif fam == 19:                                # peer_o (loopback): rank a0's tiles a1 .. a1 + a2 - 1
                 peer_task(xo, peer_o, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, tag, fault_site,
                           M_SITE_XO, H, ROWS_PAD, BLOCK_N)
