@@ -75,6 +75,24 @@ def _wait_box(scratch, meta, b, pid, tag, hdr, timeout_ns):
     return wait_box(box, pid, words, nprod, tag, hdr, site, pid, timeout_ns)
 
 
+# Code warming (on unless GLM53_WARM_CODE=0 when this module is imported). A task's code that is not in its SM's
+# instruction cache costs ~6 cycles an instruction to fetch (H200, bench/RESULTS.md steps 23-24), and a task
+# runs once per launch on its CTA, so its whole body is cold, on the critical path, right after its wait. A family
+# whose body is safe to run twice calls it (one noinline function, so both calls run the same code) once before
+# waiting, on whatever its inputs hold then: the fetch happens while the CTA would only spin. Safe means: the
+# body's addresses do not depend on the awaited data (or are clamped), it writes no tagged pairs, no persistent
+# state in place and nothing it reads, and every word it writes is written again by the real call before the
+# signal (consumers read only after the signal). The families that do: kda, kda_norm, the gate rows, the route.
+WARM_CODE: tl.constexpr = tl.constexpr(os.environ.get("GLM53_WARM_CODE", "1") != "0")
+
+
+@triton.jit
+def warm_before(ready, b):
+    """Whether a task should run its body once before waiting on box b: WARM_CODE and this CTA has not passed b
+    yet (a wait ahead hides the cold fetch; with b passed the dry run would only add time)."""
+    return (((ready >> b) & 1) == 0) & WARM_CODE
+
+
 @triton.jit
 def waitb(scratch, meta, b, ready, pid, tag, hdr, timeout_ns):
     """Wait once per CTA for every producer of box b; ready: bit b set = this CTA already passed it.
@@ -300,7 +318,10 @@ def gate_task(xs, base, scale, ln, scratch, meta, rows, a0, a1, a2, rdy, pid, ta
     part, n_parts, _ = _hc_slots(scratch, meta, second)               # meta words before the wait (waitb)
     out = act_at(scratch, meta, _pick(second, M_AIN, M_A), ACT_F32)
     sb, sw, ss = sig_words(scratch, meta, _pick(second, B_AIN, B_A))
-    ok, rdy = waitb(scratch, meta, _pick(second, B_HP1, B_HP2), rdy, pid, tag, hdr, timeout_ns)
+    b_in = _pick(second, B_HP1, B_HP2)
+    if warm_before(rdy, b_in):                                          # the row's code, warm (WARM_CODE)
+        gate_row(xs, part, n_parts, base, scale, ln, out, a2, rows, a0, eps, hc_eps, hdr, pid, H, ROWS_PAD, GATE_BH)
+    ok, rdy = waitb(scratch, meta, b_in, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         gate_row(xs, part, n_parts, base, scale, ln, out, a2, rows, a0, eps, hc_eps, hdr, pid, H, ROWS_PAD, GATE_BH)
         signal_at(sb, sw, ss, a1, tag, fault_site)

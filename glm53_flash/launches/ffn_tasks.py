@@ -38,7 +38,7 @@ from ..kernels.moe import (expert_id, moe_down_group, router_finish, router_logi
 from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACT_CTA, M_ACT_FOLD, M_ACTE, M_COEF2, M_DPART,
                   M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles,
                   act_at, add_cols, f32_at, gemv_tile, i32_at, l2_prefetch_rows, post_cols, sig_words,
-                  signal_at, waitb, waitb2)
+                  signal_at, waitb, waitb2, warm_before)
 from .mixer_kda import xchg_publish
 
 FFN_BASE = tl.constexpr(40)
@@ -245,17 +245,27 @@ def route_task(bias_r, scratch, meta, rows, width, a0, a1, rdy, pid, tag, hdr, t
     ids_out = i32_at(scratch, meta, M_IDS) + a0 * KE
     w_out = f32_at(scratch, meta, M_RW) + a0 * KE
     sb, sw, ss = sig_words(scratch, meta, B_SEL)
+    if warm_before(rdy, B_RL) & (a0 < rows):                            # the record's code, warm (ffn.WARM_CODE)
+        _route_record(part, nrpart, ids_out, w_out, bias_r, width, scaling, hdr, pid, E, KE, E_PAD, K_PAD, RENORM)
     ok, rdy = waitb(scratch, meta, B_RL, rdy, pid, tag, hdr, timeout_ns)
     if (ok != 0) & (a0 < rows):
-        logit = router_logits(part, width * E, nrpart, E, E_PAD)        # router_select, with marks between
-        trace_mark(hdr, pid, 1)                                          # the partials are joined
-        ids, w = router_topk(logit, bias_r, E, scaling, KE, E_PAD, K_PAD, RENORM)
-        trace_mark(hdr, pid, 2)                                          # the top-k is picked
-        router_store_record(ids_out, w_out, ids, w, KE, K_PAD)
-        trace_mark(hdr, pid, 3)                                          # the record is stored
+        _route_record(part, nrpart, ids_out, w_out, bias_r, width, scaling, hdr, pid, E, KE, E_PAD, K_PAD, RENORM)
     if ok != 0:
         signal_at(sb, sw, ss, a1, tag, fault_site)
     return ok, rdy
+
+
+@triton.jit(noinline=True)
+def _route_record(part, nrpart, ids_out, w_out, bias_r, width, scaling, hdr, pid, E: tl.constexpr, KE: tl.constexpr,
+                  E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr):
+    """Join the row's logit partials (kernels/moe.py router_select, with marks between), pick its top-k, store
+    its record (ids, weights). noinline: route_task runs it once before its wait too (ffn.WARM_CODE)."""
+    logit = router_logits(part, width * E, nrpart, E, E_PAD)
+    trace_mark(hdr, pid, 1)                                              # the partials are joined
+    ids, w = router_topk(logit, bias_r, E, scaling, KE, E_PAD, K_PAD, RENORM)
+    trace_mark(hdr, pid, 2)                                              # the top-k is picked
+    router_store_record(ids_out, w_out, ids, w, KE, K_PAD)
+    trace_mark(hdr, pid, 3)                                              # the record is stored
 
 
 @triton.jit(noinline=True)

@@ -58,7 +58,7 @@ from sync.device import const_word, launch_begin, launch_end, trace_clock, trace
 
 from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO, M_XMID, act_at,
                   coef_task, f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows, meta_layout, oproj_task,
-                  peer_task, post1_task, runtime_i32, sig_words, signal_at, task_entry, waitb)
+                  peer_task, post1_task, runtime_i32, sig_words, signal_at, task_entry, waitb, warm_before)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
 from .mixer_kda import kda_block, kda_norm_task, kda_prefetch
 
@@ -106,6 +106,18 @@ def _inproj_task(W_in, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag
 
 
 @triton.jit(noinline=True)
+def _kda_body(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w, yin, o, oraw, ssq, a0, a1, a2,
+              PS, eps, lower_bound, hdr, pid, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr, N_IN: tl.constexpr,
+              DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, CK: tl.constexpr,
+              KS: tl.constexpr):
+    """The KDA step of row a0, head a1, value block a2 (mixer_kda.kda_block). noinline: _kda_task runs it once
+    before its wait too (ffn.WARM_CODE): it writes only the new state / window buffers and o / oraw / ssq."""
+    S_blk = kda_prefetch(S_in, a0, a1, a2 * BV, NH, DK, DV, BV)
+    kda_block(S_blk, a0, a1, a2 * BV, yin, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w, o, oraw,
+              ssq, eps, lower_bound, PS, hdr, pid, D, NH, R, N_IN, DK, DV, BV, KC, CK, KS)
+
+
+@triton.jit(noinline=True)
 def _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w, scratch, meta, rows, width,
               a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, lower_bound, D: tl.constexpr,
               NH: tl.constexpr, R: tl.constexpr, N_IN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -123,14 +135,24 @@ def _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, on
         o = act_at(scratch, meta, M_ON, ACT_F32)
         oraw = f32_at(scratch, meta, M_ORAW)
         ssq = f32_at(scratch, meta, M_SSQ)
+        if warm_before(rdy, B_YIN):                                     # the block's code, warm (ffn.WARM_CODE)
+            _kda_body(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w, yin, o, oraw, ssq, a0,
+                      a1, a2, width * N_IN, eps, lower_bound, hdr, pid, D, NH, R, N_IN, DK, DV, BV, KC, CK, KS)
         ok, rdy = waitb(scratch, meta, B_YIN, rdy, pid, tag, hdr, timeout_ns)
         if ok != 0:
-            S_blk = kda_prefetch(S_in, a0, a1, a2 * BV, NH, DK, DV, BV)
-            kda_block(S_blk, a0, a1, a2 * BV, yin, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w,
-                      o, oraw, ssq, eps, lower_bound, width * N_IN, hdr, pid, D, NH, R, N_IN, DK, DV, BV, KC, CK, KS)
+            _kda_body(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w, yin, o, oraw, ssq, a0,
+                      a1, a2, width * N_IN, eps, lower_bound, hdr, pid, D, NH, R, N_IN, DK, DV, BV, KC, CK, KS)
     if ok != 0:
         signal_at(sb, sw, ss, a3, tag, fault_site)
     return ok, rdy
+
+
+@triton.jit(noinline=True)
+def _kda_norm_body(g_b, onorm_w, yin, o, oraw, ssq, a0, a1, a2, PS, eps, D: tl.constexpr, NH: tl.constexpr,
+                   R: tl.constexpr, N_IN: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CK: tl.constexpr,
+                   KS: tl.constexpr):
+    """kda_norm of row a0, head a1, block a2 (mixer_kda.kda_norm_task); noinline, run twice (see _kda_body)."""
+    kda_norm_task(a0, a1, a2 * BV, yin, g_b, onorm_w, o, oraw, ssq, eps, PS, D, NH, R, N_IN, DV, BV, CK, KS)
 
 
 @triton.jit(noinline=True)
@@ -143,11 +165,13 @@ def _kda_norm_task(g_b, onorm_w, scratch, meta, rows, width, a0, a1, a2, a3, rdy
     o = act_at(scratch, meta, M_ON, ACT_F32)
     oraw = f32_at(scratch, meta, M_ORAW)
     ssq = f32_at(scratch, meta, M_SSQ)
+    if warm_before(rdy, B_ORAW) & (a0 < rows):                          # the join's code, warm (ffn.WARM_CODE)
+        _kda_norm_body(g_b, onorm_w, yin, o, oraw, ssq, a0, a1, a2, width * N_IN, eps, D, NH, R, N_IN, DV, BV, CK, KS)
     ok, rdy = waitb(scratch, meta, B_ORAW, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         if a0 < rows:
-            kda_norm_task(a0, a1, a2 * BV, yin, g_b, onorm_w, o, oraw, ssq, eps, width * N_IN, D, NH, R, N_IN, DV, BV,
-                          CK, KS)
+            _kda_norm_body(g_b, onorm_w, yin, o, oraw, ssq, a0, a1, a2, width * N_IN, eps, D, NH, R, N_IN, DV, BV, CK,
+                           KS)
         signal_at(sb, sw, ss, a3, tag, fault_site)
     return ok, rdy
 

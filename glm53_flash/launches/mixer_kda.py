@@ -48,14 +48,14 @@ def embed_gather(tokens, embed_w, x0, rows, c0, c1, H: tl.constexpr, BLOCK_C: tl
         c += BLOCK_C
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def gate_row(X, part, n_parts, base, scale, ln_w, a, r, rows, c0, eps, hc_eps, hdr, cta, H: tl.constexpr,
              ROWS_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
     """Gate-row tile [c0, c0 + BLOCK_H) of row r (nothing for a pad row r >= rows): join the hc_pre
     partial slots (task order), a[r, c] = rms_norm(sum_j pre[j] X[r, j, c]) * ln_w[c]. No Sinkhorn: the
     row needs only pre and rstd; hc_post's post / comb come from the coef task (coef_row), off this
     stage's critical path. The norm weight and the X tile are loaded first, so their round trip
-    overlaps the join's."""
+    overlaps the join's. noinline: gate_task runs it once before its wait too (ffn.WARM_CODE)."""
     if r < rows:
         i4 = tl.arange(0, 4)
         offs = c0 + tl.arange(0, BLOCK_H)
