@@ -82,7 +82,8 @@ def _wait_box(scratch, meta, b, pid, tag, hdr, timeout_ns):
 # waiting, on whatever its inputs hold then: the fetch happens while the CTA would only spin. Safe means: the
 # body's addresses do not depend on the awaited data (or are clamped), it writes no tagged pairs, no persistent
 # state in place and nothing it reads, and every word it writes is written again by the real call before the
-# signal (consumers read only after the signal). The families that do: kda, kda_norm, the gate rows, the route.
+# signal (consumers read only after the signal). The families that do: kda, kda_norm, the gate rows, the route,
+# post1's hc_post.
 WARM_CODE: tl.constexpr = tl.constexpr(os.environ.get("GLM53_WARM_CODE", "1") != "0")
 
 
@@ -259,11 +260,12 @@ def add_cols(a, b, out, rows, c0, c1, H: tl.constexpr, BLOCK: tl.constexpr):
         r += 1
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def post_partials(fn2, X, y1, coef1, xmid, part2, rows, t0, nt, H: tl.constexpr, ROWS_PAD: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     """hc_post of the mixer on column tiles t0 .. t0 + nt - 1 (X -> xmid) fused with the FFN hc_pre
-    partials, one slot per BLOCK_N tile: the join order (tile order) does not depend on the grid."""
+    partials, one slot per BLOCK_N tile: the join order (tile order) does not depend on the grid. noinline:
+    post1_task runs it once before its waits too (WARM_CODE), and oproj_task (TP 1) shares the copy."""
     j = 0
     while j < nt:
         c0 = (t0 + j) * BLOCK_N
@@ -416,6 +418,9 @@ def post1_task(xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_size, a0, a1
     sb, sw, ss = sig_words(scratch, meta, B_HP2)                        # before the waits, as the rows (waitb)
     y1, coef1, xmid, part2 = _post_rows(scratch, meta)
     site = const_word(meta + M_SITE_XO)
+    if WARM_CODE:
+        if not NEXTN:             # hc_post's code, warm (WARM_CODE): the rank sum's poll below is the long wait
+            post_partials(fn2, xs, y1, coef1, xmid, part2, rows, a0, a1, H, ROWS_PAD, BLOCK_N, BLOCK_C)
     if not NEXTN:
         ok, rdy = waitb(scratch, meta, B_CF1, rdy, pid, tag, hdr, timeout_ns)         # hc_post's coefficients
     else:
