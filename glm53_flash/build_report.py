@@ -189,16 +189,23 @@ def report_rows(blds: list[dict], stats: list[dict], n_sm: int = N_SM) -> list[d
         fits = cap >= 1 if b["kind"] == "tail" else cap >= want
         rows.append(dict(kind=b["kind"], tp=b["tp"], fmt=b["fmt"], widths=",".join(map(str, b["widths"])),
                          warps=b["spec"][4], regs=s["regs"], spill=s["spill"], shared=s["shared"], ctas_per_sm=cap,
-                         launch_ctas_per_sm=want, fits=fits))
+                         launch_ctas_per_sm=want, fits=fits, code=s.get("code_instructions"),
+                         copies={k: v for k, v in s.get("functions", {}).items() if v[0] > 1}))
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("kind", "TP", "weights", "widths", "warps", "registers", "spill B", "shared KB", "CTAs/SM", "launch", "fits")
+    """The residency table; `code`: SASS instructions of the kernel and its noinline functions (sm90_regs), and
+    the functions compiled more than once (copies: what a constexpr argument of a noinline function costs)."""
+    head = ("kind", "TP", "weights", "widths", "warps", "registers", "spill B", "shared KB", "CTAs/SM", "launch", "fits",
+            "code", "copies")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
+        code = "-" if r.get("code") is None else r["code"]
+        copies = ", ".join(f"{k} x{v[0]}" for k, v in sorted(r.get("copies", {}).items())) or "-"
         lines.append(" | ".join(str(x) for x in (r["kind"], r["tp"], r["fmt"], r["widths"], r["warps"], r["regs"],
                                                   r["spill"], math.ceil(r["shared"] / 1024), r["ctas_per_sm"],
                                                   (f"<= {r['launch_ctas_per_sm']}" if r["kind"] == "tail" else
-                                                   r["launch_ctas_per_sm"]), "yes" if r["fits"] else "NO")))
+                                                   r["launch_ctas_per_sm"]), "yes" if r["fits"] else "NO", code,
+                                                  copies)))
     return "\n".join(lines)

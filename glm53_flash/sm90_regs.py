@@ -10,7 +10,11 @@ A spec is (module, kernel name, signature {arg: type}, constexprs {name: value},
 [, options[, ptx_grep]]]): `divisible` names the int args a launch passes as multiples of 16 (pointers are
 always taken 16-byte aligned), as Triton would specialise them at a real launch; `options` more compile options
 (e.g. {"maxnreg": 128}, the launches' ptxas cap); `ptx_grep` strings whose occurrences in the PTX are counted
-(result "ptx_counts"). Each result also carries the kernel's shared memory bytes.
+(result "ptx_counts"). Each result also carries the kernel's shared memory bytes and its code: "functions",
+{short name: [compiled copies, SASS instructions]} from the cubin's symbol table (the kernel and each noinline
+function; Triton compiles a noinline function once per set of constexpr arguments, so copies > 1 is code the
+SM's instruction cache holds twice), and "code_instructions", their sum. A task's code that is not in that cache
+costs ~6 cycles an instruction on the H200 (bench/RESULTS.md steps 23-25): code size is a budget like registers.
 """
 from __future__ import annotations
 
@@ -26,6 +30,38 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def functions(cubin):
+    """({short name: [copies, instructions]}, total instructions) of the ELF's code (16-byte sm_90 instructions).
+    A mangled name is $kernel$module_$_path_$_name__<signature and constexprs>: the short name is `name`. The
+    kernel's own symbol spans its whole .text section: its count is what its noinline functions leave."""
+    import struct
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    name_at = lambda tab, o: cubin[tab[4] + o:cubin.index(b"\0", tab[4] + o)].decode()
+    total = sum(sec[5] for sec in secs if name_at(secs[shstrndx], sec[0]).startswith(".text")) // 16
+    fns, kernels = {}, []
+    for sec in secs:
+        if sec[1] != 2:                                    # SHT_SYMTAB
+            continue
+        for off in range(sec[4], sec[4] + sec[5], 24):
+            st_name, st_info, _, _, _, st_size = struct.unpack_from("<IBBHQQ", cubin, off)
+            if st_info & 0xF != 2 or st_size == 0:        # STT_FUNC with code
+                continue
+            short = name_at(secs[sec[6]], st_name).split("__P")[0].split("_$_")[-1].strip("$")
+            if st_info >> 4 == 1:                          # STB_GLOBAL: the kernel
+                kernels.append(short)
+                continue
+            c = fns.setdefault(short, [0, 0])
+            c[0] += 1
+            c[1] += st_size // 16
+    for k in kernels:
+        fns[k] = [1, total - sum(v[1] for v in fns.values())]
+    return fns, total
+
+
 out = []
 for spec in json.loads(sys.argv[1]):
     mod, name, sig, consts, warps = spec[:5]
@@ -47,8 +83,9 @@ for spec in json.loads(sys.argv[1]):
     # noinline device functions get their own ptxas lines: registers = the largest, spills = the sum
     regs = max(int(m) for m in re.findall(r"Used (\d+) registers", log))
     spill = sum(int(m) for m in re.findall(r"(\d+) bytes spill stores", log))
+    fns, total = functions(c.asm["cubin"])
     out.append(dict(kernel=name, consts=consts, warps=warps, regs=regs, spill=spill, shared=c.metadata.shared,
-                    ptx_counts={g: c.asm["ptx"].count(g) for g in grep}))
+                    ptx_counts={g: c.asm["ptx"].count(g) for g in grep}, functions=fns, code_instructions=total))
 print(json.dumps(out))
 '''
 
@@ -59,7 +96,8 @@ def ptxas_available() -> bool:
 
 
 def kernel_registers(specs: list, timeout: float = 300) -> list[dict]:
-    """[{kernel, consts, warps, regs, spill}] for each spec, compiled for sm_90 in a subprocess."""
+    """[{kernel, consts, warps, regs, spill, shared, ptx_counts, functions, code_instructions}] for each spec,
+    compiled for sm_90 in a subprocess."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

@@ -16,7 +16,8 @@ def _bld(kind, warps=4):
 
 def test_residency_verdict_on_planted_stats():
     blds = [_bld("kda"), _bld("kda"), _bld("tail"), _bld("sparse")]
-    stats = [dict(regs=128, spill=0, shared=72 * 1024),       # 4 by registers, 3 by shared memory: 2 fit
+    stats = [dict(regs=128, spill=0, shared=72 * 1024,        # 4 by registers, 3 by shared memory: 2 fit
+                  code_instructions=5000, functions={"k": [1, 300], "_wait_box": [15, 2900], "f": [1, 1800]}),
              dict(regs=255, spill=900, shared=120 * 1024),    # 2 by registers, 1 by shared memory
              dict(regs=255, spill=0, shared=200 * 1024),      # the tail fits its grid to what is resident
              dict(regs=255, spill=0, shared=240 * 1024)]      # more shared memory than an SM has
@@ -25,6 +26,8 @@ def test_residency_verdict_on_planted_stats():
     assert [r["fits"] for r in rows] == [True, False, True, False]
     table = br.format_table(rows)
     assert table.count("| NO") == 2 and "<= 4" in table
+    assert rows[0]["code"] == 5000 and rows[0]["copies"] == {"_wait_box": [15, 2900]} and "| 5000 | _wait_box x15" in table
+    assert rows[1]["code"] is None and table.splitlines()[3].endswith("| - | -")
 
 
 def test_builds_share_widths_except_the_tail():
@@ -60,6 +63,7 @@ def test_build_report_command_compiles(tmp_path, capsys):
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["kind"] == "dense" and row["tp"] == "8" and row["fits"]
     assert 0 < row["regs"] <= DEFAULT_MAXNREG and row["shared"] > 0 and row["ctas_per_sm"] >= 2
+    assert row["code"] > 1000 and "_wait_box" not in row["copies"]        # one compiled copy of the spin
     assert "dense | 8 | bf16 | 1,2,4,8" in capsys.readouterr().out
 
 

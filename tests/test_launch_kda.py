@@ -209,6 +209,14 @@ def test_sm90_compile_kda_tp8():
     after a wait's fence is an L2 round trip on the task's path (launches/kda_layer.py "Registers")."""
     (s,) = compile_sm90([real_consts(tp=8, moe=True)])
     assert s["spin_ok"] and s["regs"] <= DEFAULT_MAXNREG and s["spill"] == 0
+    # One compiled copy of the code every task shares, and of each warmed body (ffn.WARM_CODE: the dry run and the
+    # real call must run the same code): a constexpr argument to a noinline function makes one copy per value, and
+    # every copy is code the SM's instruction cache holds beside the others (H200: ~6 cycles an instruction cold).
+    fns = s["functions"]
+    for name in ("_wait_box", "_wait_box2", "_signal_at", "gate_task", "gate_row", "coef_task", "_kda_body",
+                 "_kda_norm_body", "_route_record", "post_partials"):
+        assert fns.get(name, [0])[0] == 1, (name, fns.get(name))
+    assert s["code_instructions"] < 16000, s["code_instructions"]     # 20152 before the copies were removed
 
 
 @pytest.mark.slow
