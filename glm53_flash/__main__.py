@@ -127,11 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     du.add_argument("--timeout-s", type=float, default=1.0,
                     help="spin budget of every wait site in seconds (default 1; raise it under compute-sanitizer)")
 
-    bu = sub.add_parser("build", help="offline sm_90 build report: registers, spills, shared memory, CTAs per SM",
+    bu = sub.add_parser("build", help="offline sm_90 build report: registers, spills, shared memory, CTAs per SM, "
+                                         "code size",
                         description="Compiles every launch kind's persistent kernel for sm_90 at the real per-rank "
                                     "shapes (Triton's bundled ptxas; no GPU needed) and lists registers, spill "
                                     "bytes, shared memory and resident CTAs per SM beside the CTAs per SM the "
-                                    "launch asks for. Widths share a build (rows are a runtime argument) except "
+                                    "launch asks for, and the code: SASS instructions of the kernel and the "
+                                    "functions compiled more than once (a constexpr argument of a noinline "
+                                    "function makes one copy per value). Widths share a build (rows are a runtime argument) except "
                                     "the tail's. Exit status 1 if a build does not fit. A full matrix takes tens "
                                     "of minutes on 2 cores: narrow it with --kinds / --tp / --weights.")
     bu.add_argument("--report", action="store_true", required=True, help="print the report (the only action)")
