@@ -214,7 +214,7 @@ def test_sm90_compile_kda_tp8():
     # every copy is code the SM's instruction cache holds beside the others (H200: ~6 cycles an instruction cold).
     fns = s["functions"]
     for name in ("_wait_box", "_wait_box2", "_signal_at", "gate_task", "gate_row", "coef_task", "_kda_body",
-                 "_kda_norm_body", "_route_record", "post_partials"):
+                 "_kda_norm_body", "_route_record", "post_partials", "peer_task"):
         assert fns.get(name, [0])[0] == 1, (name, fns.get(name))
     assert s["code_instructions"] < 16000, s["code_instructions"]     # 20152 before the copies were removed
 

@@ -306,8 +306,9 @@ def _pick(second, first_v, second_v):
 @triton.jit
 def _hc_slots(scratch, meta, second):
     """(hc_pre partial slots, their count, coefficient rows) of the mixer's mHC, or with second (1) the FFN's."""
-    return (f32_at(scratch, meta, _pick(second, M_PART1, M_PART2)),
-            const_word(meta + _pick(second, M_NPART1, M_NPART2)), f32_at(scratch, meta, _pick(second, M_COEF1, M_COEF2)))
+    part = f32_at(scratch, meta, _pick(second, M_PART1, M_PART2))
+    n_parts = const_word(meta + _pick(second, M_NPART1, M_NPART2))
+    return part, n_parts, f32_at(scratch, meta, _pick(second, M_COEF1, M_COEF2))
 
 
 @triton.jit(noinline=True)
@@ -436,11 +437,12 @@ def post1_task(xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_size, a0, a1
 
 
 @triton.jit(noinline=True)
-def peer_task(xchg, peer, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, tag, fault_site,
-              SITE: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Loopback (one GPU, TP > 1): rank a0's partial tiles a1 .. a1 + a2 - 1 from peer into xchg."""
+def peer_task(xchg, peer, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, tag, fault_site, m_site,
+              H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Loopback (one GPU, TP > 1): rank a0's partial tiles a1 .. a1 + a2 - 1 from peer into xchg; m_site: the meta
+    word of the exchange's wait site (a runtime value: peer_o and peer_d run one compiled copy, runtime_i32)."""
     j = 0
     while j < a2:
-        peer_publish(xchg, peer, a0, (a1 + j) * BLOCK_N, rows, width, tp_rank, tp_size, tag, const_word(meta + SITE),
+        peer_publish(xchg, peer, a0, (a1 + j) * BLOCK_N, rows, width, tp_rank, tp_size, tag, const_word(meta + m_site),
                      fault_site, H, ROWS_PAD, BLOCK_N)
         j += 1

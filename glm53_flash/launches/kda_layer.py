@@ -249,10 +249,10 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                                     fault_site, eps, hc_eps, runtime_i32(1), H, ROWS_PAD, ITERS)
             elif fam == 11:                                # peer_o (loopback): rank a0's tiles a1 .. a1 + a2 - 1
                 peer_task(xo, peer_o, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, tag, fault_site,
-                          M_SITE_XO, H, ROWS_PAD, BLOCK_N)
+                          runtime_i32(M_SITE_XO), H, ROWS_PAD, BLOCK_N)
             elif fam == 12:                                # peer_d (loopback)
                 peer_task(xd, peer_d, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, tag, fault_site,
-                          M_SITE_XD, H, ROWS_PAD, BLOCK_N)
+                          runtime_i32(M_SITE_XD), H, ROWS_PAD, BLOCK_N)
             elif fam >= FFN_BASE:                          # the FFN families (launches/ffn_tasks.py)
                 ok, rdy = ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_site, scratch,
                                    meta, rows, width, tp_rank, tp_size, X_out, xd, W_g, S_g, W_u, S_u, W_d, S_d, W_r,
