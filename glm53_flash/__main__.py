@@ -134,9 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "bytes, shared memory and resident CTAs per SM beside the CTAs per SM the "
                                     "launch asks for, and the code: SASS instructions of the kernel and the "
                                     "functions compiled more than once (a constexpr argument of a noinline "
-                                    "function makes one copy per value). Widths share a build (rows are a runtime argument) except "
-                                    "the tail's. Exit status 1 if a build does not fit. A full matrix takes tens "
-                                    "of minutes on 2 cores: narrow it with --kinds / --tp / --weights.")
+                                    "function makes one copy per value). Widths share a build (rows are a "
+                                    "runtime argument) except the tail's. Exit status 1 if a build does not fit. "
+                                    "A full matrix takes tens of minutes on 2 cores: narrow it with --kinds / "
+                                    "--tp / --weights.")
     bu.add_argument("--report", action="store_true", required=True, help="print the report (the only action)")
     bu.add_argument("--kinds", type=_kinds, default=["embed", "dense", "kda", "sparse", "nextn", "tail"],
                     metavar="KIND,...", help="launch kinds (default: all six)")

@@ -224,7 +224,9 @@ def router_topk(logit, bias, E, scaling, K: tl.constexpr, E_PAD: tl.constexpr, K
     kk = tl.arange(0, K_PAD)
     ids = tl.zeros([K_PAD], dtype=tl.int32)
     j = 0
-    while j < K:            # a loop, not unrolled: one copy of the pick's code (see the note below)
+    # a runtime loop, not static_range: one copy of the pick's code (1167 -> 674 SASS instructions in route_task);
+    # cold code costs ~6 cycles an instruction, so the loop picked in 4.4 us where the unrolled picks took 5.9
+    while j < K:
         best = tl.max(key, axis=0)
         idx = (~best & LOW32).to(tl.int32)                                    # lowest index among equals
         ids = tl.where(kk == j, idx, ids)
