@@ -132,6 +132,21 @@ def test_select_equals_reference(positions, chunk, bits, gen, one_thread):
     assert torch.equal(out.long(), _expected(s, positions, cfg))
 
 
+def test_write_dry_run_stores_nothing(gen, one_thread):
+    # the launch's select task runs the write once before its wait with live = 0 (ffn.WARM_CODE), on whatever
+    # the histograms and join states hold: garbage whose ranks point anywhere must store nothing
+    cfg = preset("tiny")
+    positions = [130, 61]
+    rows, t_max, bits = len(positions), 8, 8
+    s = _tied_scores(rows, 40, gen).to(DEV)
+    g = torch.Generator().manual_seed(5)
+    hist = torch.randint(0, 1 << 20, (rows, 4, t_max, 1 << bits), generator=g).int().to(DEV)      # counts far
+    # past the pools (int32 sums stay in range: the interpreter rejects overflow)
+    state = torch.randint(-(1 << 20), 1 << 20, (rows, 4, t_max + 2), generator=g).int().to(DEV)
+    out = indexer.select(s, _pos(positions), cfg, chunk=8, bits=bits, block=8, t_max=t_max, state_in=(hist, state))
+    assert (out == SENTINEL).all(), "a dry write stored a word"
+
+
 def test_select_32768_pools_with_ties(gen, one_thread):
     # the real width: 512 of 32768 pools (position 131071), 8 / 4 tasks, many exact ties at the cut
     cfg = preset("glm53-flash")

@@ -102,6 +102,21 @@ def test_mla_matches_reference(positions, split, chunk_c, gen, one_thread):
     _check(cfg, _inputs(cfg, positions, gen), _kv_b(cfg), split, 1e-3, chunk_c)
 
 
+def test_attend_clamps_token_ids(gen, one_thread):
+    # the launch's attend task runs once before its wait (ffn.WARM_CODE) on whatever idx holds: an id past the
+    # row's position must read the position's row, never past the cache (here: far past the tensor's end)
+    cfg = preset("tiny")
+    x = _inputs(cfg, [130, 61], gen)
+    bad = x["idx"].clone()
+    for r, pos in enumerate(x["positions"].tolist()):
+        live = (bad[r] >= 0).nonzero().flatten()[::3]
+        bad[r, live] = pos + 1 + (1 << 28)
+    clamped = torch.minimum(bad, x["positions"][:, None])
+    o_bad = _run(cfg, dict(x, idx=bad), _kv_b(cfg), SPLITS[1], 16)
+    o_ref = _run(cfg, dict(x, idx=clamped), _kv_b(cfg), SPLITS[1], 16)
+    assert all(torch.equal(o_bad[k], o_ref[k]) for k in o_ref)
+
+
 @pytest.mark.parametrize("chunk_c", [None, 32], ids=lambda c: "online" if c is None else f"tile{c}")
 def test_mla_bf16_latents(chunk_c, gen, one_thread):
     cfg = preset("tiny")
@@ -254,7 +269,7 @@ BUDGETS = [
                                           TOPK="i32", KP="constexpr", T_MAX="constexpr", BITS="constexpr",
                                           BLOCK="constexpr"), dict(KP=4, T_MAX=16, BITS=8, BLOCK=1024), 4], 128),
     (["indexer", "topk_write_kernel", dict(scores=_F, hist=_I, state=_I, out=_I, positions=_I, stride_s="i32", chunk="i32",
-                                           TOPK="i32", WIDTH="i32", KP="constexpr", T_MAX="constexpr",
+                                           TOPK="i32", WIDTH="i32", live="i32", KP="constexpr", T_MAX="constexpr",
                                            BITS="constexpr", BLOCK="constexpr"),
       dict(KP=4, T_MAX=16, BITS=8, BLOCK=1024), 4], 144),
 ]

@@ -444,6 +444,17 @@ def run_loopback(Ls, run_one):
     return outs[0], {p: (po[p], pd[p]) for p in po if p != 0}
 
 
+def scramble_dry_inputs(L, gen):
+    """Fill the regions the DSA families' dry runs (ffn.WARM_CODE: a body run once before its wait, on whatever
+    its inputs hold) read before they are written this launch with random bits: token ids far outside the cache,
+    histograms and join states whose ranks point anywhere, NaN-laden scores and partials. A dry run that loads
+    through such an id or stores through such a rank corrupts the result, faults, or hits a region's canary."""
+    for name in ("idx_rows", "hist", "jstate", "scores", "pm", "pl", "qlat"):
+        v = L.layout.view(L.scratch, name).view(torch.int32)
+        v.copy_(torch.randint(-2 ** 31, 2 ** 31 - 1, v.shape, generator=gen, device=v.device, dtype=torch.int64)
+                .to(torch.int32))
+
+
 def sparse_layer_check(cfg, layer, positions, tp, fmt, device="cuda", widths=(1, 2, 4, 8), fault_sites=None, **kw):
     """One DSA layer launch (rank 0 of tp, loopback) vs the fp32 reference on random caches at
     `positions` (rows = len(positions), slots reversed): X' rel err <= 1e-2, written cache rows,
@@ -489,8 +500,10 @@ def sparse_layer_check(cfg, layer, positions, tp, fmt, device="cuda", widths=(1,
           f"expert near-ties {flips}, per-row X err {rel_rows(out, Xr)}")
     assert all(v <= 1e-2 for v in errs.values()), errs
     again_state = fresh()
+    scramble_dry_inputs(L, gen)     # the re-run's dry runs (ffn.WARM_CODE) read garbage that points anywhere
     again = L.run(X, *again_state, positions, slots, peer=peer)
     assert torch.equal(again, out) and all(torch.equal(a, b) for a, b in zip(again_state, state)), "not bitwise"
+    assert not L.layout.check_canaries(L.scratch), L.layout.check_canaries(L.scratch)
     for w1 in widths:                                          # batch invariance: row 0 alone
         L1 = SparseLaunch(cfg, w, layer, tp_rank=0, tp_size=tp, width=w1, device=device, scales=scales,
                           max_len=max_len, **kw)

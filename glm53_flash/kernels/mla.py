@@ -54,7 +54,7 @@ Device API (constexprs in CAPS):
   w0 = mla_absorb_prefetch(kv_b, h, c0, DN, DV, C, BLOCK_C, CK)
   mla_absorb_finish(w0, kv_b, s_kv, q, stride_q, qlat, rows, h, c0, NH, DN, DV, C, ROWS_PAD, BLOCK_C, CK)
   mla_attend(qlat, idx, latent, pm, pl, pacc, h0, s, t0, t1, n_sel, n_splits, scale, NH, C, HB, BLOCK_T)
-  mla_attend_tile(qlat, idx, latent, pm, pl, pacc, h0, s, t0, n_sel, n_splits, scale, NH, C, HB, BLOCK_T, CK)
+  mla_attend_tile(qlat, idx, latent, pm, pl, pacc, h0, s, t0, n_sel, n_splits, scale, NH, C, HB, BLOCK_T, CK, t_hi)
   w0 = mla_out_prefetch(kv_b, h, n0, DN, DV, C, BLOCK_N, PF_K)
   mla_join_out(w0, kv_b, s_kv, pm, pl, pacc, stride_part, ctx, out, stride_o, rows, h, n0, n_splits,
                NH, DN, DV, C, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, NS_PAD, SB)   # join_chunk()
@@ -226,19 +226,21 @@ def mla_attend(qlat, idx, latent, pm, pl, pacc, h0, s, t0, t1, n_sel, n_splits, 
 
 @triton.jit
 def mla_attend_tile(qlat, idx, latent, pm, pl, pacc, h0, s, t0, n_sel, n_splits, scale, NH: tl.constexpr,
-                    C: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, CK: tl.constexpr):
+                    C: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, CK: tl.constexpr, t_hi):
     """Split s = the one token tile [t0, t0 + BLOCK_T) of heads [h0, h0 + HB): the same partials as
     mla_attend over that tile, in CK-wide column chunks for registers. The tile's token ids load once;
     pass 1 scores every [BLOCK_T, CK] latent chunk against the matching q~ chunk (the chunks' loads
     independent of each other, so they are in flight together), the scores stay in registers; pass 2
     re-reads each chunk (now in L1 / L2) for its acc chunk. One tile per task keeps a task at ~3
     dependent round trips (ids, latent rows, the re-read): a multi-tile loop costs two per tile and
-    chunk (measured: 98 us for 4 tiles x 16 chunks on the H200)."""
+    chunk (measured: 98 us for 4 tiles x 16 chunks on the H200). Token ids clamp to t_hi: the row's position
+    (no selected id is larger), or -1, which masks every gather off (a launch's dry run: the code runs, on
+    whatever idx holds, and reads no latent row)."""
     tl.static_assert(C % CK == 0, "CK must divide C")
     hl = tl.arange(0, HB)
     hh = h0 + hl
     offs = t0 + tl.arange(0, BLOCK_T)
-    tok = tl.load(idx + offs, mask=offs < n_sel, other=-1, cache_modifier=".cg")
+    tok = tl.minimum(tl.load(idx + offs, mask=offs < n_sel, other=-1, cache_modifier=".cg"), t_hi)
     ok = tok >= 0
     rowp = latent + tl.maximum(tok, 0).to(tl.int64)[:, None] * C
     st = tl.zeros([BLOCK_T, HB], dtype=tl.float32)
@@ -370,7 +372,7 @@ def mla_attend_kernel(qlat, idx, latent, positions, pm, pl, pacc, stride_lat, wi
     else:
         mla_attend_tile(qlat + r * NH * C, idx + r * width, latent + r.to(tl.int64) * stride_lat, pm + part,
                         pl + part, pacc + part.to(tl.int64) * C, h0, s, s * tpt, n_sel, n_splits, scale, NH, C, HB,
-                        BLOCK_T, CK)
+                        BLOCK_T, CK, pos)
 
 
 @triton.jit

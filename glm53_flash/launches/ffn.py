@@ -82,8 +82,10 @@ def _wait_box(scratch, meta, b, pid, tag, hdr, timeout_ns):
 # waiting, on whatever its inputs hold then: the fetch happens while the CTA would only spin. Safe means: the
 # body's addresses do not depend on the awaited data (or are clamped), it writes no tagged pairs, no persistent
 # state in place and nothing it reads, and every word it writes is written again by the real call before the
-# signal (consumers read only after the signal). The families that do: kda, kda_norm, the gate rows, the route,
-# post1's hc_post.
+# signal (consumers read only after the signal); or, where an address or a store would depend on the awaited data,
+# the body takes a live flag that masks those loads / stores off in the dry run. The families that do: kda, kda_norm,
+# the gate rows, the route, post1's hc_post, and the DSA families score, hist, select (its stores masked off),
+# attend (its latent gathers masked off) and join (launches/sparse_layer.py).
 WARM_CODE: tl.constexpr = tl.constexpr(os.environ.get("GLM53_WARM_CODE", "1") != "0")
 
 

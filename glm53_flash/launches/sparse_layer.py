@@ -37,7 +37,7 @@ from ..kernels.mla import (mla_absorb_finish, mla_absorb_prefetch, mla_attend_ti
 from .ffn import (B_A, B_AIN, B_HP2, B_O, COMMON_BOXES, COMMON_ROWS, M_A, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO,
                   M_XMID, act_at, coef_task, f32_at, gate_task, hc_pre_task, i32_at, l2_prefetch_rows, meta_layout,
                   oproj_task, peer_task, post1_task, runtime_i32, sig_words, signal, signal_at, task_entry,
-                  waitb)
+                  waitb, warm_before)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
 from .mixer_dsa import dsa_norm_finish, dsa_norm_prefetch, gemv_tiles, rms_row
 
@@ -158,30 +158,44 @@ def _jstate(scratch, meta, r, T_MAX: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit(noinline=True)
+def _score_body(positions, slots, pool_keys, pk_ss, scratch, meta, rows, pmax, sel_chunk, a0, a1,
+                NA: tl.constexpr, NQ: tl.constexpr, NH: tl.constexpr, DN: tl.constexpr, QL: tl.constexpr,
+                C: tl.constexpr, DI: tl.constexpr, NI: tl.constexpr, KP: tl.constexpr, TOPK: tl.constexpr,
+                T_MAX: tl.constexpr, BITS: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
+                HIST_W: tl.constexpr):
+    """score's work: row a0, pool chunk a1's scores, then radix pass 0 over them. Writes only the chunk's
+    scores and its hist[0, a1] row (no join at pass 0): safe to run dry (ffn.WARM_CODE)."""
+    if a0 < rows:
+        pos = tl.load(positions + a0)
+        slot = tl.load(slots + a0).to(tl.int64)
+        P = (pos + 1) // KP
+        sc = f32_at(scratch, meta, M_SC) + a0 * pmax
+        yq_r = f32_at(scratch, meta, M_YQ) + a0 * NQ
+        idx_score_pools(yq_r + NH * DN, f32_at(scratch, meta, M_YA) + a0 * NA + QL + C + 2 * DI,
+                        pool_keys + slot * _slot_stride(pk_ss), sc, a1 * sel_chunk,
+                        tl.minimum(a1 * sel_chunk + sel_chunk, P), NI, DI, BLOCK_P)
+        if (P > TOPK) & (a1 < tl.cdiv(P, sel_chunk)):
+            tl.debug_barrier()                             # own score stores before the pass reads them
+            topk_hist_pass(sc, i32_at(scratch, meta, M_HIST) + a0 * HIST_W, _jstate(scratch, meta, a0, T_MAX, BITS),
+                           a1, 0, sel_chunk, P, TOPK, T_MAX, BITS, SEL_BLOCK)
+
+
+@triton.jit(noinline=True)
 def _score_task(positions, slots, pool_keys, pk_ss, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, rdy, pid, tag,
                 hdr, timeout_ns, fault_site, NA: tl.constexpr, NQ: tl.constexpr, NH: tl.constexpr, DN: tl.constexpr,
                 QL: tl.constexpr, C: tl.constexpr, DI: tl.constexpr, NI: tl.constexpr, KP: tl.constexpr,
                 TOPK: tl.constexpr, T_MAX: tl.constexpr, BITS: tl.constexpr, SEL_BLOCK: tl.constexpr,
                 BLOCK_P: tl.constexpr, HIST_W: tl.constexpr):
     """score: row a0, pool chunk a1: the chunk's pool scores, then radix pass 0 of the top-k over them;
-    producer a2 of hs0."""
+    producer a2 of hs0. The body runs once dry before the wait (its code warm)."""
     sb, sw, ss = sig_words(scratch, meta, B_HS0)
+    if warm_before(rdy, B_Q):
+        _score_body(positions, slots, pool_keys, pk_ss, scratch, meta, rows, pmax, sel_chunk, a0, a1, NA, NQ, NH, DN,
+                    QL, C, DI, NI, KP, TOPK, T_MAX, BITS, SEL_BLOCK, BLOCK_P, HIST_W)
     ok, rdy = waitb(scratch, meta, B_Q, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
-        if a0 < rows:
-            pos = tl.load(positions + a0)
-            slot = tl.load(slots + a0).to(tl.int64)
-            P = (pos + 1) // KP
-            sc = f32_at(scratch, meta, M_SC) + a0 * pmax
-            yq_r = f32_at(scratch, meta, M_YQ) + a0 * NQ
-            idx_score_pools(yq_r + NH * DN, f32_at(scratch, meta, M_YA) + a0 * NA + QL + C + 2 * DI,
-                            pool_keys + slot * _slot_stride(pk_ss), sc, a1 * sel_chunk,
-                            tl.minimum(a1 * sel_chunk + sel_chunk, P), NI, DI, BLOCK_P)
-            if (P > TOPK) & (a1 < tl.cdiv(P, sel_chunk)):
-                tl.debug_barrier()                         # own score stores before the pass reads them
-                topk_hist_pass(sc, i32_at(scratch, meta, M_HIST) + a0 * HIST_W, _jstate(scratch, meta, a0, T_MAX, BITS),
-                               a1, 0, sel_chunk, P, TOPK,
-                               T_MAX, BITS, SEL_BLOCK)
+        _score_body(positions, slots, pool_keys, pk_ss, scratch, meta, rows, pmax, sel_chunk, a0, a1, NA, NQ, NH, DN,
+                    QL, C, DI, NI, KP, TOPK, T_MAX, BITS, SEL_BLOCK, BLOCK_P, HIST_W)
         signal_at(sb, sw, ss, a2, tag, fault_site)
     return ok, rdy
 
@@ -190,18 +204,30 @@ def _score_task(positions, slots, pool_keys, pk_ss, scratch, meta, rows, pmax, s
 def _hist_task(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns,
                fault_site, KP: tl.constexpr, TOPK: tl.constexpr, T_MAX: tl.constexpr, BITS: tl.constexpr,
                SEL_BLOCK: tl.constexpr, HIST_W: tl.constexpr):
-    """hist: row a0, chunk a1, radix pass a2 (1..3; nothing while P <= TOPK); producer a3 of hs(a2)."""
+    """hist: row a0, chunk a1, radix pass a2 (1..3; nothing while P <= TOPK); producer a3 of hs(a2). The body
+    runs once dry before the wait (its code warm)."""
     sb, sw, ss = sig_words(scratch, meta, B_HS0 + a2)
+    if warm_before(rdy, B_HS0 + a2 - 1):
+        _hist_body(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, KP, TOPK, T_MAX, BITS, SEL_BLOCK,
+                   HIST_W)
     ok, rdy = waitb(scratch, meta, B_HS0 + a2 - 1, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
-        if a0 < rows:
-            P = (tl.load(positions + a0) + 1) // KP
-            if (P > TOPK) & (a1 < tl.cdiv(P, sel_chunk)):
-                topk_hist_pass(f32_at(scratch, meta, M_SC) + a0 * pmax, i32_at(scratch, meta, M_HIST) +
-                               a0 * HIST_W, _jstate(scratch, meta, a0, T_MAX, BITS), a1, a2, sel_chunk, P, TOPK, T_MAX,
-                               BITS, SEL_BLOCK)
+        _hist_body(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, KP, TOPK, T_MAX, BITS, SEL_BLOCK,
+                   HIST_W)
         signal_at(sb, sw, ss, a3, tag, fault_site)
     return ok, rdy
+
+
+@triton.jit(noinline=True)
+def _hist_body(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, KP: tl.constexpr, TOPK: tl.constexpr,
+               T_MAX: tl.constexpr, BITS: tl.constexpr, SEL_BLOCK: tl.constexpr, HIST_W: tl.constexpr):
+    """hist's work (kernels/indexer.py topk_hist_pass). Writes only its hist[a2, a1] row and (chunk 0) join state
+    row a2 - 1, which only pass a2 + 1 and select read, after this task's signal: safe to run dry."""
+    if a0 < rows:
+        P = (tl.load(positions + a0) + 1) // KP
+        if (P > TOPK) & (a1 < tl.cdiv(P, sel_chunk)):
+            topk_hist_pass(f32_at(scratch, meta, M_SC) + a0 * pmax, i32_at(scratch, meta, M_HIST) + a0 * HIST_W,
+                           _jstate(scratch, meta, a0, T_MAX, BITS), a1, a2, sel_chunk, P, TOPK, T_MAX, BITS, SEL_BLOCK)
 
 
 @triton.jit(noinline=True)
@@ -209,20 +235,32 @@ def _select_task(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, a2, rd
                  fault_site, KP: tl.constexpr, TOPK: tl.constexpr, WIDTH: tl.constexpr, T_MAX: tl.constexpr,
                  BITS: tl.constexpr, SEL_BLOCK: tl.constexpr, HIST_W: tl.constexpr):
     """select: row a0, chunk a1: its selected pools -> token indices (ascending) + the tail, -1 pad;
-    producer a2 of idx."""
+    producer a2 of idx. The body runs once before the wait with its stores masked off (its code warm: a dry
+    run's ranks come from whatever the histograms hold, so it must store nothing)."""
     sb, sw, ss = sig_words(scratch, meta, B_IDX)
+    if warm_before(rdy, B_HS3):
+        _select_body(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, runtime_i32(0), KP, TOPK, WIDTH, T_MAX,
+                     BITS, SEL_BLOCK, HIST_W)
     ok, rdy = waitb(scratch, meta, B_HS3, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
-        if a0 < rows:
-            pos = tl.load(positions + a0)
-            P = (pos + 1) // KP
-            if a1 < tl.maximum(tl.cdiv(P, sel_chunk), 1):
-                topk_write(f32_at(scratch, meta, M_SC) + a0 * pmax, i32_at(scratch, meta, M_HIST) + a0 * HIST_W,
-                           _jstate(scratch, meta, a0, T_MAX, BITS),
-                           i32_at(scratch, meta, M_IDX) + a0 * WIDTH, a1, sel_chunk, P, pos, TOPK, KP, WIDTH,
-                           T_MAX, BITS, SEL_BLOCK)
+        _select_body(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, runtime_i32(1), KP, TOPK, WIDTH, T_MAX,
+                     BITS, SEL_BLOCK, HIST_W)
         signal_at(sb, sw, ss, a2, tag, fault_site)
     return ok, rdy
+
+
+@triton.jit(noinline=True)
+def _select_body(positions, scratch, meta, rows, pmax, sel_chunk, a0, a1, live, KP: tl.constexpr, TOPK: tl.constexpr,
+                 WIDTH: tl.constexpr, T_MAX: tl.constexpr, BITS: tl.constexpr, SEL_BLOCK: tl.constexpr,
+                 HIST_W: tl.constexpr):
+    """select's work (kernels/indexer.py topk_write); live == 0 stores nothing."""
+    if a0 < rows:
+        pos = tl.load(positions + a0)
+        P = (pos + 1) // KP
+        if a1 < tl.maximum(tl.cdiv(P, sel_chunk), 1):
+            topk_write(f32_at(scratch, meta, M_SC) + a0 * pmax, i32_at(scratch, meta, M_HIST) + a0 * HIST_W,
+                       _jstate(scratch, meta, a0, T_MAX, BITS), i32_at(scratch, meta, M_IDX) + a0 * WIDTH, a1,
+                       sel_chunk, P, pos, TOPK, KP, WIDTH, T_MAX, BITS, SEL_BLOCK, live)
 
 
 @triton.jit(noinline=True)
@@ -231,24 +269,41 @@ def _attend_task(positions, slots, latent, lat_ss, scratch, meta, rows, n_splits
                  TOPK: tl.constexpr, WIDTH: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr,
                  ATT_CK: tl.constexpr):
     """attend: row a0, head group a1, split a2 = token tile [a2 tpt, a2 tpt + BLOCK_T): split-softmax
-    partials over those selected latent rows (tpt == BLOCK_T: one tile a task); producer a3 of att."""
+    partials over those selected latent rows (tpt == BLOCK_T: one tile a task); producer a3 of att. The body
+    runs once dry before the waits (its code warm)."""
     sb, sw, ss = sig_words(scratch, meta, B_ATT)
+    if warm_before(rdy, B_IDX):
+        _attend_body(positions, slots, latent, lat_ss, scratch, meta, rows, n_splits, tpt, att_scale, a0, a1, a2,
+                     runtime_i32(0), NH, C, KP, TOPK, WIDTH, HB, BLOCK_T, ATT_CK)
     ok, rdy = waitb(scratch, meta, B_IDX, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         ok, rdy = waitb(scratch, meta, B_QL, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
-        if a0 < rows:
-            pos = tl.load(positions + a0)
-            slot = tl.load(slots + a0).to(tl.int64)
-            P = (pos + 1) // KP
-            n_sel = tl.minimum(P, TOPK) * KP + pos + 1 - P * KP
-            part = a0 * NH * n_splits
-            mla_attend_tile(f32_at(scratch, meta, M_QLAT) + a0 * NH * C, i32_at(scratch, meta, M_IDX) + a0 * WIDTH,
-                            latent + slot * _slot_stride(lat_ss), f32_at(scratch, meta, M_PM) + part,
-                            f32_at(scratch, meta, M_PL) + part, f32_at(scratch, meta, M_PACC) + part * C,
-                            a1 * HB, a2, a2 * tpt, n_sel, n_splits, att_scale, NH, C, HB, BLOCK_T, ATT_CK)
+        _attend_body(positions, slots, latent, lat_ss, scratch, meta, rows, n_splits, tpt, att_scale, a0, a1, a2,
+                     runtime_i32(1), NH, C, KP, TOPK, WIDTH, HB, BLOCK_T, ATT_CK)
         signal_at(sb, sw, ss, a3, tag, fault_site)
     return ok, rdy
+
+
+@triton.jit(noinline=True)
+def _attend_body(positions, slots, latent, lat_ss, scratch, meta, rows, n_splits, tpt, att_scale, a0, a1, a2, live,
+                 NH: tl.constexpr, C: tl.constexpr, KP: tl.constexpr, TOPK: tl.constexpr, WIDTH: tl.constexpr,
+                 HB: tl.constexpr, BLOCK_T: tl.constexpr, ATT_CK: tl.constexpr):
+    """attend's work (kernels/mla.py mla_attend_tile). Writes only its own split's partials. The token ids it
+    gathers by clamp to t_hi: the row's position when live, -1 in the dry run (live == 0), whose gathers are
+    then all masked off: whatever idx holds (the last launch's selection) is neither read through nor
+    prefetched, so the dry run warms the code and nothing else."""
+    if a0 < rows:
+        pos = tl.load(positions + a0)
+        slot = tl.load(slots + a0).to(tl.int64)
+        P = (pos + 1) // KP
+        n_sel = tl.minimum(P, TOPK) * KP + pos + 1 - P * KP
+        part = a0 * NH * n_splits
+        mla_attend_tile(f32_at(scratch, meta, M_QLAT) + a0 * NH * C, i32_at(scratch, meta, M_IDX) + a0 * WIDTH,
+                        latent + slot * _slot_stride(lat_ss), f32_at(scratch, meta, M_PM) + part,
+                        f32_at(scratch, meta, M_PL) + part, f32_at(scratch, meta, M_PACC) + part * C,
+                        a1 * HB, a2, a2 * tpt, n_sel, n_splits, att_scale, NH, C, HB, BLOCK_T, ATT_CK,
+                        tl.where(live != 0, pos, -1))
 
 
 @triton.jit(noinline=True)
@@ -257,22 +312,35 @@ def _join_task(kv_b, S_kvb, scratch, meta, rows, n_splits, a0, a1, a2, rdy, pid,
                OUT_N: tl.constexpr, OUT_PF: tl.constexpr, ACT_F32: tl.constexpr, NS_PAD: tl.constexpr,
                SB: tl.constexpr):
     """join: head a0, DV tile a1: the splits joined in a fixed order, then W_UV -> o (bf16); producer a2
-    of o. W_UV's tile loads before the wait."""
-    DO: tl.constexpr = NH * DV
-    w_uv = mla_out_prefetch(kv_b, a0, a1 * OUT_N, DN, DV, C, OUT_N, OUT_PF)
+    of o. The body runs once dry before the wait: its code warm, and W_UV's tile on its way to L2."""
     sb, sw, ss = sig_words(scratch, meta, B_O)
+    if warm_before(rdy, B_ATT):
+        _join_body(kv_b, S_kvb, scratch, meta, rows, n_splits, a0, a1, pid, hdr, NH, DN, DV, C, ROWS_PAD, OUT_N,
+                   OUT_PF, ACT_F32, NS_PAD, SB)
     ok, rdy = waitb(scratch, meta, B_ATT, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
-        tl.debug_barrier()                                 # the CTA's ctx scratch is free (earlier task done)
-        ctx = f32_at(scratch, meta, M_CTX) + pid * ROWS_PAD * C
-        mla_join_ctx(f32_at(scratch, meta, M_PM), f32_at(scratch, meta, M_PL), f32_at(scratch, meta, M_PACC),
-                     NH * n_splits, ctx, rows, a0, n_splits, C, NS_PAD, SB)
-        trace_mark(hdr, pid, 1)                            # the splits are joined
-        mla_out_ctx(w_uv, kv_b, S_kvb, ctx, act_at(scratch, meta, M_ON, ACT_F32), DO, rows, a0, a1 * OUT_N, DN, DV, C,
-                    ROWS_PAD, OUT_N, OUT_PF, OUT_PF, 2)   # 2 stages: registers
-        trace_mark(hdr, pid, 2)                            # W_UV's tile is applied and stored
+        _join_body(kv_b, S_kvb, scratch, meta, rows, n_splits, a0, a1, pid, hdr, NH, DN, DV, C, ROWS_PAD, OUT_N,
+                   OUT_PF, ACT_F32, NS_PAD, SB)
         signal_at(sb, sw, ss, a2, tag, fault_site)
     return ok, rdy
+
+
+@triton.jit(noinline=True)
+def _join_body(kv_b, S_kvb, scratch, meta, rows, n_splits, a0, a1, pid, hdr, NH: tl.constexpr, DN: tl.constexpr,
+               DV: tl.constexpr, C: tl.constexpr, ROWS_PAD: tl.constexpr, OUT_N: tl.constexpr, OUT_PF: tl.constexpr,
+               ACT_F32: tl.constexpr, NS_PAD: tl.constexpr, SB: tl.constexpr):
+    """join's work (kernels/mla.py mla_join_ctx, mla_out_ctx). W_UV's first chunk loads first, in flight during
+    the split join. Writes only this CTA's ctx scratch and its own o tile: safe to run dry."""
+    DO: tl.constexpr = NH * DV
+    w_uv = mla_out_prefetch(kv_b, a0, a1 * OUT_N, DN, DV, C, OUT_N, OUT_PF)
+    tl.debug_barrier()                                     # the CTA's ctx scratch is free (earlier task done)
+    ctx = f32_at(scratch, meta, M_CTX) + pid * ROWS_PAD * C
+    mla_join_ctx(f32_at(scratch, meta, M_PM), f32_at(scratch, meta, M_PL), f32_at(scratch, meta, M_PACC),
+                 NH * n_splits, ctx, rows, a0, n_splits, C, NS_PAD, SB)
+    trace_mark(hdr, pid, 1)                                # the splits are joined
+    mla_out_ctx(w_uv, kv_b, S_kvb, ctx, act_at(scratch, meta, M_ON, ACT_F32), DO, rows, a0, a1 * OUT_N, DN, DV, C,
+                ROWS_PAD, OUT_N, OUT_PF, OUT_PF, 2)       # 2 stages: registers
+    trace_mark(hdr, pid, 2)                                # W_UV's tile is applied and stored
 
 
 @triton.jit
