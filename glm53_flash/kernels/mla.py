@@ -73,6 +73,9 @@ import triton.language as tl
 from .gemv import _dot_x, _interpreting, _mma, gemv_finish, gemv_prefetch, gemv_store
 
 
+ATT_STAGES = tl.constexpr(8)        # mla_attend_tile: 7 chunks of the latent tile in flight (all of it at C 512, CK 64)
+
+
 # ---------------------------------------------------------------------------- split chooser (host)
 @dataclass(frozen=True)
 class AttentionSplit:
@@ -229,11 +232,12 @@ def mla_attend_tile(qlat, idx, latent, pm, pl, pacc, h0, s, t0, n_sel, n_splits,
                     C: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr, CK: tl.constexpr, t_hi):
     """Split s = the one token tile [t0, t0 + BLOCK_T) of heads [h0, h0 + HB): the same partials as
     mla_attend over that tile, in CK-wide column chunks for registers. The tile's token ids load once;
-    pass 1 scores every [BLOCK_T, CK] latent chunk against the matching q~ chunk (the chunks' loads
-    independent of each other, so they are in flight together), the scores stay in registers; pass 2
-    re-reads each chunk (now in L1 / L2) for its acc chunk. One tile per task keeps a task at ~3
-    dependent round trips (ids, latent rows, the re-read): a multi-tile loop costs two per tile and
-    chunk (measured: 98 us for 4 tiles x 16 chunks on the H200). Token ids clamp to t_hi: the row's position
+    pass 1 scores every [BLOCK_T, CK] latent chunk against the matching q~ chunk, the scores stay in
+    registers; pass 2 re-reads each chunk (now in L1 / L2) for its acc chunk. Both passes are cp.async
+    pipelines (ATT_STAGES chunks in flight): unrolled, each chunk's product went through shared memory
+    behind barriers, so its loads waited for the chunk before (the sm_90 SASS: one round trip a chunk and
+    pass, ~11.5 us of the launches' attend task on the H200). A multi-tile loop costs two trips per tile
+    and chunk (measured: 98 us for 4 tiles x 16 chunks on the H200). Token ids clamp to t_hi: the row's position
     (no selected id is larger), or -1, which masks every gather off (a launch's dry run: the code runs, on
     whatever idx holds, and reads no latent row)."""
     tl.static_assert(C % CK == 0, "CK must divide C")
@@ -244,7 +248,7 @@ def mla_attend_tile(qlat, idx, latent, pm, pl, pacc, h0, s, t0, n_sel, n_splits,
     ok = tok >= 0
     rowp = latent + tl.maximum(tok, 0).to(tl.int64)[:, None] * C
     st = tl.zeros([BLOCK_T, HB], dtype=tl.float32)
-    for i in tl.static_range(C // CK):
+    for i in tl.range(0, C // CK, num_stages=ATT_STAGES):
         cc = i * CK + tl.arange(0, CK)
         lat = tl.load(rowp + cc[None, :], mask=ok[:, None], other=0.0)                       # [BLOCK_T, CK]
         qt = tl.load(qlat + hh[None, :] * C + cc[:, None], cache_modifier=".cg") * scale      # [CK, HB]
@@ -253,7 +257,7 @@ def mla_attend_tile(qlat, idx, latent, pm, pl, pacc, h0, s, t0, n_sel, n_splits,
     m = tl.max(st, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     p = tl.exp(st - m_safe[None, :])                                        # 0 where masked
-    for i in tl.static_range(C // CK):
+    for i in tl.range(0, C // CK, num_stages=ATT_STAGES):
         cc = i * CK + tl.arange(0, CK)
         lat = tl.load(rowp + cc[None, :], mask=ok[:, None], other=0.0)
         acc = _dot_any(tl.zeros([CK, HB], dtype=tl.float32), tl.trans(lat), p)                # [CK, HB]
