@@ -9,6 +9,7 @@ outputs for the same inputs. Checked, each counted as one check:
   one word with the launch's tag (the region was used this launch);
 - box words: none newer than the launch's tag;
 - outputs finite;
+- at TP > 1 (the ModelRunner's loopback group): every rank's layer output the same bits as rank 0's;
 - per-output relative error ||out - ref|| / ||ref|| against the reference within its bound, and greedy
   ids equal where both give them.
 `report()` gives "N checks, M violations" and the metrics table (per launch kind and output: relative error,
@@ -16,6 +17,7 @@ max |diff|, cosine; the batched runner also reports the KDA layers' new states a
     GLM53_MONO_CHECK=1 python -m glm53_flash generate --checkpoint DIR --prompt 3,17,42 --max-new-tokens 8
     python check.py --preset tiny --steps 4           (a random checkpoint; exit 1 on any violation)
     python check.py --preset tiny --rows 2 --steps 3  (the batched ModelRunner over 2 slots)
+    python check.py --preset tiny --tp 2 --steps 3    (every rank of a TP 2 group, loopback on one device)
 """
 from __future__ import annotations
 
@@ -72,6 +74,11 @@ class MonoCheck:
                 words = launch.layout.view(launch.scratch, r.name).reshape(-1).to(torch.int64).cpu() & TAG_MASK
                 self._expect(bool((words <= tag).all()), f"{name}.{r.name}: box words newer than tag {tag}")
 
+    def same(self, launch: str, what: str, out: torch.Tensor, ref: torch.Tensor) -> None:
+        """One check: `out` the same bits as `ref` (a TP rank's output against rank 0's)."""
+        self._expect(out.shape == ref.shape and torch.equal(out.cpu(), ref.cpu()),
+                     f"{launch}: {what} differs from rank 0's")
+
     # ------------------------------------------------------------------ outputs vs reference
     def output(self, launch: str, out_name: str, out: torch.Tensor, ref: torch.Tensor | None,
                bound: float = 1e-2) -> None:
@@ -118,6 +125,8 @@ def hook(checker: MonoCheck):
     def after_launch(kind, launch, outputs: dict, reference: dict) -> None:
         checker.scratch(launch)
         for name, out in outputs.items():
+            if "rank0:" + name in reference:
+                checker.same(kind, f"rank {launch.tp_rank}'s {name}", out, reference["rank0:" + name])
             if name == "ids":
                 checker.ids(kind, out, reference["ids"])
             else:
@@ -144,16 +153,15 @@ def main(argv=None) -> int:
     p.add_argument("--steps", "--max-new-tokens", dest="steps", type=int, default=4, help="decode steps (tokens)")
     p.add_argument("--kernels", default=None, metavar="KIND,...",
                    help="only these launch kinds run as kernels (default: every kind the runner drives)")
-    p.add_argument("--tp", type=int, default=1, help="TP degree (1 only: the runners drive one rank)")
+    p.add_argument("--tp", type=int, default=1, choices=(1, 2, 4, 8),
+                   help="TP degree: > 1 runs every rank of the group on one device (the batched ModelRunner in "
+                        "loopback: each layer's rank launches in three passes, the exchange fed by the host)")
     p.add_argument("--rows", type=int, default=1,
-                   help="decode rows: 1 runs the one-request runner (runner.py); more run the batched ModelRunner "
-                        "(model_runner.py, eager) over that many slots, row i's prompt the prompt's ids + i")
+                   help="decode rows: 1 (with --tp 1) runs the one-request runner (runner.py); more run the batched "
+                        "ModelRunner (model_runner.py, eager) over that many slots, row i's prompt the prompt's ids "
+                        "+ i")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     a = p.parse_args(argv)
-    if a.tp != 1:
-        print(f"check.py: --tp {a.tp}: the runners drive TP 1 only (TP > 1 runs in loopback in time_layers.py)",
-              file=sys.stderr)
-        return 2
     if not 1 <= a.rows <= 64:
         print(f"check.py: --rows {a.rows}: need 1..64", file=sys.stderr)
         return 2
@@ -162,7 +170,7 @@ def main(argv=None) -> int:
         return 2
     if a.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    if a.rows > 1:
+    if a.rows > 1 or a.tp > 1:
         return _check_batched(a)
     from glm53_flash.runner import Runner
     with tempfile.TemporaryDirectory(prefix="check_ckpt_") as tmp:
@@ -183,18 +191,20 @@ def main(argv=None) -> int:
 
 
 def _check_batched(a) -> int:
-    """check.py --rows R > 1: R slots prefilled by the reference, then --steps decode steps of all R rows on the
-    ModelRunner's launches (eager), every launch checked against the reference's step of the same layer."""
+    """check.py --rows R > 1 or --tp T > 1: R slots prefilled by the reference, then --steps decode steps of all R
+    rows on the ModelRunner's launches (eager; at TP > 1 every rank's), every launch checked against the
+    reference's step of the same layer."""
     import sys
 
     import torch
 
     from glm53_flash.model_runner import ModelRunner
     if a.kernels:
-        print("check.py: --kernels goes with --rows 1 (the ModelRunner runs every launch kind)", file=sys.stderr)
+        print("check.py: --kernels goes with --rows 1 --tp 1 (the ModelRunner runs every launch kind)",
+              file=sys.stderr)
         return 2
     kw = dict(device=a.device, max_slots=a.rows, max_len=max(64, 8 + len(a.prompt.split(",")) + a.steps),
-              eager=True, reference=True, progress=False, log=lambda *_: None)
+              eager=True, reference=True, progress=False, log=lambda *_: None, tp_size=a.tp)
     if a.checkpoint:
         r = ModelRunner.from_pretrained(a.checkpoint, **kw)
     else:

@@ -34,7 +34,13 @@ programs without capture (the tests check them against the plain eager path).
 Memory: the widths' builds of a layer share one copy of its weights (the first build's; `share_weights`), and
 the tails share the lm_head.
 
-Not yet (issue 13): TP > 1, the MTP block.
+TP > 1 (tp_size 2 / 4 / 8): one runner drives every rank of the group on its one device, in loopback
+(tp_loopback.py): each layer's rank launches run one after another in three passes, the exchange fed by the
+host, the tail's vocabulary shards in two; the ranks' outputs must agree bitwise. Eager only (no step graphs):
+a correctness path (check.py --tp), not a timing one (time_layers.py times one rank's launch in loopback).
+Rank r's KDA state is its heads' slice of the slot caches, committed per rank with the rest of the step.
+
+Not yet (issue 13): TP > 1 across devices (one process per rank), the MTP block.
 """
 from __future__ import annotations
 
@@ -56,13 +62,27 @@ class ModelRunner:
     def __init__(self, cfg: GlmConfig, source, scales=None, *, reference_weights=None, reference: bool = True,
                  tp_size: int = 1, tp_rank: int = 0, device="cuda", max_slots: int = 8, max_len: int = 4096,
                  widths=WIDTHS, eager: bool | None = None, graph_programs: bool | None = None, log=print,
-                 progress: bool = True):
+                 progress: bool = True, rank_sources: list | None = None):
         """reference=False: no torch reference model (its fp32 weights would not fit beside the launches' at real
         shapes): prefill then runs the prompt through decode steps of one row, and there is no fallback path
-        for batches wider than the widest build."""
-        if tp_size != 1 or tp_rank != 0:
-            raise ValueError(f"tp_size={tp_size}, tp_rank={tp_rank}: the runner drives TP 1 only so far "
-                             f"(TP > 1 runs in loopback in time_layers.py)")
+        for batches wider than the widest build. tp_size > 1: every rank in loopback on this device (module
+        note); `source` is then host weights the launches shard (weights.RandomWeights / Fp8Weights), or
+        rank_sources the group's loaded checkpoint rank views (from_pretrained)."""
+        if tp_size not in (1, 2, 4, 8):
+            raise ValueError(f"tp_size={tp_size!r}: 1, 2, 4 or 8")
+        if tp_rank != 0:
+            raise ValueError(f"tp_rank={tp_rank}: one runner drives every rank of the group (loopback on one "
+                             f"device); one process per rank is not built yet")
+        if tp_size > 1:
+            if eager is False or graph_programs:
+                raise ValueError(f"tp_size={tp_size}: the loopback group runs eagerly (three launches a rank and "
+                                 f"layer, fed by the host): no step graphs")
+            eager = True
+            if hasattr(source, "weights") and hasattr(source, "tp_size") and rank_sources is None:
+                raise ValueError("tp_size > 1 with a checkpoint: pass rank_sources (ModelRunner.from_pretrained)")
+        if rank_sources is not None and len(rank_sources) != tp_size:
+            raise ValueError(f"rank_sources: {len(rank_sources)} views for tp_size={tp_size}")
+        self.tp_size, self.rank_sources = tp_size, rank_sources
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available on this machine")
@@ -125,13 +145,15 @@ class ModelRunner:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, path, tp_size: int = 1, tp_rank: int = 0, device="cuda", **kw) -> "ModelRunner":
-        """A checkpoint directory (bf16 or FP8, checkpoint.py) for TP rank tp_rank of tp_size."""
+        """A checkpoint directory (bf16 or FP8, checkpoint.py). tp_size > 1: the whole group in loopback (every
+        rank's view loaded; the reference from the TP 1 view)."""
         from .checkpoint import load_checkpoint
-        if tp_size != 1 or tp_rank != 0:
-            raise ValueError(f"tp_size={tp_size}, tp_rank={tp_rank}: the runner drives TP 1 only so far")
-        ck = load_checkpoint(path, tp_rank, tp_size, progress=kw.get("progress", True))
+        if tp_rank != 0:
+            raise ValueError(f"tp_rank={tp_rank}: one runner drives every rank of the group (loopback)")
+        ck = load_checkpoint(path, 0, 1, progress=kw.get("progress", True))
+        ranks = [load_checkpoint(path, r, tp_size, progress=False) for r in range(tp_size)] if tp_size > 1 else None
         return cls(ck.config, ck, reference_weights=ck.dequantized(), tp_size=tp_size, tp_rank=tp_rank,
-                   device=device, **kw)
+                   device=device, rank_sources=ranks, **kw)
 
     @classmethod
     def from_preset(cls, name: str, weights: str = "random", weight_format: str = "bf16", seed: int = 0,
@@ -140,13 +162,14 @@ class ModelRunner:
         scales). On the GPU they are made there, at the piece shapes (device_weights.RankSource: nothing
         GB-sized on the host), and there is no reference model unless reference=True is passed (its fp32
         copies do not fit beside a real-shape model); on the CPU they are weights.RandomWeights(cfg, seed)
-        (FP8: weights.Fp8Weights) with the reference on their (dequantized) values."""
+        (FP8: weights.Fp8Weights) with the reference on their (dequantized) values; so too at tp_size > 1 on
+        either device (the loopback group's launches cut their shards from them)."""
         if weights != "random":
             raise ValueError(f"weights={weights!r}: from_preset makes random weights only (weights='random')")
         if weight_format not in ("bf16", "fp8"):
             raise ValueError(f"weight_format={weight_format!r}: 'bf16' or 'fp8'")
         cfg = preset(name)
-        if torch.device(kw.get("device", "cuda")).type == "cuda":
+        if torch.device(kw.get("device", "cuda")).type == "cuda" and kw.get("tp_size", 1) == 1:
             from .checkpoint import dequantized_view
             from .device_weights import RankSource
             torch.manual_seed(seed)
@@ -170,31 +193,44 @@ class ModelRunner:
         w_map = source.weights if is_ck else source
         lm_head = w_map[LM_HEAD].to(self.device, torch.bfloat16).contiguous()
         norm_w = w_map[PREFIX + "norm.weight"].to(self.device, torch.bfloat16).contiguous()
-        total = len(self.widths) * (self.cfg.num_hidden_layers + 1)
+        T = self.tp_size
+        total = len(self.widths) * (self.cfg.num_hidden_layers + 1) * T
         bar = tqdm(total=total, desc="building launches", disable=not progress)
-        self.builds = {w: {"layers": {}} for w in self.widths}
+        # per width: "layers" {index: rank 0's launch}, "ranks" {index: [every rank's launch]} (one at TP 1),
+        # "tail" rank 0's tail, "tails" every rank's
+        self.builds = {w: {"layers": {}, "ranks": {}} for w in self.widths}
         for p in self.cfg.layers:          # a layer's widths one after another: its weights are made (or read) once
             if p.launch not in LAYER_KINDS:
                 raise ValueError(f"layer {p.index}: launch kind {p.launch!r} has no persistent launch")
             kw = dict(max_len=self.max_len) if p.launch == "sparse" else {}
-            first = None                    # the layer's first build: the other widths share its weights
+            first = [None] * T              # each rank's first build: its other widths share those weights
             for w in self.widths:
-                if is_ck:
-                    L = build_launch(p.launch, source, device=self.device, width=w, layer=p.index, **kw)
-                else:
-                    L = _launch_class(p.launch)(self.cfg, source, p.index, tp_rank=0, tp_size=1, width=w,
-                                                device=self.device, scales=scales, **kw)
-                if first is None:
-                    first = L
-                else:
-                    L.share_weights(first)
-                self.builds[w]["layers"][p.index] = L
-                bar.update(1)
+                ranks = []
+                for r in range(T):
+                    if self.rank_sources is not None:
+                        L = build_launch(p.launch, self.rank_sources[r], device=self.device, width=w,
+                                         layer=p.index, **kw)
+                    elif is_ck:
+                        L = build_launch(p.launch, source, device=self.device, width=w, layer=p.index, **kw)
+                    else:
+                        L = _launch_class(p.launch)(self.cfg, source, p.index, tp_rank=r, tp_size=T, width=w,
+                                                    device=self.device, scales=scales, **kw)
+                    if first[r] is None:
+                        first[r] = L
+                    else:
+                        L.share_weights(first[r])
+                    ranks.append(L)
+                    bar.update(1)
+                self.builds[w]["layers"][p.index] = ranks[0]
+                self.builds[w]["ranks"][p.index] = ranks
             if hasattr(source, "release") and self.ref is None:
                 source.release()              # the launches hold their own copies: drop the generated pieces
+        Vr = self.cfg.vocab_size // T
         for w in self.widths:
-            self.builds[w]["tail"] = TailLaunch(self.cfg, lm_head, norm_w, width=w, device=self.device)
-            bar.update(1)
+            tails = [TailLaunch(self.cfg, lm_head[r * Vr:(r + 1) * Vr], norm_w, tp_rank=r, tp_size=T, width=w,
+                                device=self.device) for r in range(T)]
+            self.builds[w]["tail"], self.builds[w]["tails"] = tails[0], tails
+            bar.update(T)
         bar.close()
 
     # ------------------------------------------------------------------ slots
@@ -283,53 +319,82 @@ class ModelRunner:
                  f"{Bs[-1]}) in {time.perf_counter() - t0:.1f} s{mem}")
 
     def _decode_launches(self, build, ids, pos, sl, fault) -> torch.Tensor:
+        """One eager step on a width's builds. At TP > 1 the group in loopback (tp_loopback.py): each layer's
+        rank launches in three passes, the tail's in two; every rank's X' and greedy ids must be the same bits
+        (RuntimeError if not). Hooks (check.py) see every launch: X', the KDA state / window (the rank's slice)
+        and the tail's ids and logits against the reference's, and at TP > 1 (reference key "rank0:X") rank 0's
+        X' to agree with."""
         from sync import HandoffTimeout
-        c = self.caches
+
+        from .tp_loopback import commit_rank_state, rank_state, run_layer, run_tail
+        c, cfg, T = self.caches, self.cfg, self.tp_size
         B = ids.shape[0]
         saved = self._save_dsa_rows(sl, pos)
-        pending = []                                               # (launch, KDA index j, state copy, window copy)
+        pending = []                                               # (rank launches, KDA index j)
         X = None
         layer = None
         try:
-            for p in self.cfg.layers:
+            for p in cfg.layers:
                 layer = p
-                L = build["layers"][p.index]
+                Ls = build["ranks"][p.index]
                 site = self._take_fault(fault, p.launch)
                 X_in = X
                 if p.launch == "sparse":
                     d = self._dsa_index[p.index]
-                    X = L.run(X, c.latent[:, d], c.pool_keys[:, d], c.tail_rows[:, d], pos, sl, inject_fault=site)
+
+                    def run_one(L, peer, f):
+                        return L.run(X_in, c.latent[:, d], c.pool_keys[:, d], c.tail_rows[:, d], pos, sl,
+                                     inject_fault=f, peer=peer)
                 else:
                     j = self._kda_index[p.index]
-                    S = c.kda_state[sl, j]                         # copies (advanced indexing): committed below
-                    W = c.conv_window[sl, j]
-                    X = L.run(ids if p.launch == "embed" else X, S, W, inject_fault=site, commit=False)
-                    pending.append((L, j))
-                if self.hooks and self.ref is not None:   # the reference's step of this layer, on the same input
+                    shards = [rank_state(cfg, c.kda_state[sl, j], c.conv_window[sl, j], r, T) for r in range(T)]
+                    x = ids if p.launch == "embed" else X_in
+
+                    def run_one(L, peer, f):
+                        return L.run(x, *shards[L.tp_rank], inject_fault=f, peer=peer, commit=False)
+                outs = run_layer(Ls, run_one, site)
+                X = outs[0]
+                if self.hooks and self.ref is not None:
                     ref_in = self.ref.embed(ids) if p.launch == "embed" else X_in
                     rc = c.clone()
                     ref = self.ref.layer_step(rc, p.index, ref_in, pos, sl)
-                    outs, refs = {"X": X}, {"X": ref}
-                    if p.launch != "sparse":                  # the new KDA state and conv window too
-                        outs.update(state=L.S_out[:B], window=L.W_out[:B])
-                        refs.update(state=rc.kda_state[sl, j], window=rc.conv_window[sl, j])
-                    for hook in self.hooks:
-                        hook(p.launch, L, outs, refs)
+                    for L, Xr in zip(Ls, outs):
+                        o, rf = {"X": Xr}, {"X": ref, "rank0:X": X} if T > 1 else {"X": ref}
+                        if p.launch != "sparse":
+                            Sr, Wr = rank_state(cfg, rc.kda_state[sl, j], rc.conv_window[sl, j], L.tp_rank, T)
+                            o.update(state=L.S_out[:B], window=L.W_out[:B])
+                            rf.update(state=Sr, window=Wr)
+                        for hook in self.hooks:
+                            hook(p.launch, L, o, rf)
+                bad = [L.tp_rank for L, Xr in zip(Ls, outs) if not torch.equal(Xr, X)]
+                if bad:
+                    raise RuntimeError(f"layer {p.index} ({p.launch}): TP ranks {bad} computed other X' bits than "
+                                       f"rank 0 (loopback group of {T})")
+                if p.launch != "sparse":
+                    pending.append((Ls, j))
             layer = None
             site = self._take_fault(fault, "tail")
-            logits, tok = build["tail"].run(X, inject_fault=site)
+            logits, tok = run_tail(build["tails"], X, site)
             if self.hooks and self.ref is not None:
                 ref = self.ref.tail(X)
-                for hook in self.hooks:
-                    hook("tail", build["tail"], {"logits": logits, "ids": tok}, {"logits": ref, "ids": ref.argmax(-1)})
+                for L in build["tails"]:           # rank 0's also: the group's logits (every rank's shard)
+                    o = {"logits": logits, "ids": tok[0]} if L.tp_rank == 0 else {"ids": tok[L.tp_rank]}
+                    for hook in self.hooks:
+                        hook("tail", L, o, {"logits": ref, "ids": ref.argmax(-1)})
+            if any(not torch.equal(t, tok[0]) for t in tok):
+                raise RuntimeError(f"tail: TP ranks chose other greedy ids than rank 0 (loopback group of {T})")
         except HandoffTimeout as e:
             self._restore_dsa_rows(saved)
             where = f"layer {layer.index} ({layer.launch} launch)" if layer is not None else "the tail launch"
-            e.add_note(f"ModelRunner.decode: {where} of a {B}-row step; every slot's caches are as before the step")
+            tp = f" at TP {T} (loopback)" if T > 1 else ""
+            e.add_note(f"ModelRunner.decode: {where} of a {B}-row step{tp}; every slot's caches are as before the step")
             raise
-        for L, j in pending:                                       # every launch was clean: commit the step
-            c.kda_state[sl, j] = L.S_out[:B]
-            c.conv_window[sl, j] = L.W_out[:B]
+        except RuntimeError:
+            self._restore_dsa_rows(saved)
+            raise
+        for Ls, j in pending:                                      # every launch was clean: commit the step
+            for L in Ls:
+                commit_rank_state(cfg, c.kda_state, c.conv_window, sl, j, L.S_out[:B], L.W_out[:B], L.tp_rank, T)
         c.lengths[sl] += 1
         return logits.float()
 

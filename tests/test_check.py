@@ -65,7 +65,11 @@ def test_command_on_a_random_checkpoint(weights, capsys):
 
 
 def test_command_bad_input(capsys):
-    assert check.main(["--tp", "2"]) == 2 and "TP 1 only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):                     # argparse: TP 1, 2, 4 or 8
+        check.main(["--tp", "3"])
+    assert "invalid choice" in capsys.readouterr().err
+    assert check.main(["--tp", "2", "--kernels", "tail"]) == 2 and "--kernels goes with --rows 1 --tp 1" in \
+        capsys.readouterr().err
     assert check.main(["--rows", "0"]) == 2 and "--rows 0" in capsys.readouterr().err
     assert check.main(["--rows", "2", "--kernels", "tail"]) == 2 and "--kernels goes with --rows 1" in \
         capsys.readouterr().err

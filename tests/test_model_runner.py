@@ -196,3 +196,43 @@ def test_without_reference_prefill_runs_as_decode_steps(one_thread):
         no_ref.decode(ids(1, 2), ids(2, 1), ids(0, 1, dtype=torch.int32))
     rs = ModelRunner(cfg, RankSource(cfg, 0, 1, "bf16", "cpu"), reference=False, **kw)
     assert torch.isfinite(rs.prefill(1, [4])).all() and rs.length(1) == 1
+
+
+def test_tp2_loopback_group_checked_committed_and_rolled_back(one_thread):
+    """tp_size=2: every rank in loopback on one device. One decode step under the MONO_CHECK hooks (every rank's
+    launch: error record, canaries, tags, X' / state / window against the reference's layer step, every rank's X'
+    the same bits as rank 0's), the committed caches against the reference's own step (a rank's state slice put
+    back in the wrong heads fails here), then a fault in a later step leaves every cache as it was."""
+    from check import MonoCheck, hook
+    r = ModelRunner.from_preset("tiny", device="cpu", tp_size=2, max_slots=1, max_len=64, widths=(1,),
+                                reference=True, progress=False, log=lambda *_: None)
+    assert len(r.builds[1]["ranks"][0]) == 2 and [L.tp_rank for L in r.builds[1]["tails"]] == [0, 1]
+    first = int(torch.argmax(r.prefill(0, [3, 17, 42])))
+    ref_caches = r.caches.clone()
+    ref_logits = r.ref.decode_step(ref_caches, ids(first), ids(3), ids(0)).logits.float()
+    checker = MonoCheck()
+    r.hooks.append(hook(checker))
+    logits = r.decode(ids(first), ids(3), ids(0, dtype=torch.int32))
+    assert not checker.violations, checker.violations
+    assert checker.checks > 100
+    assert any(m.launch == "tail" and m.output == "logits" for m in checker.metrics)
+    assert rel(logits, ref_logits) <= 1e-2
+    for name in ("kda_state", "conv_window", "latent", "pool_keys", "tail_rows"):
+        got, want = getattr(r.caches, name).float(), getattr(ref_caches, name).float()
+        assert rel(got, want) <= 1e-2, name
+    assert int(r.caches.lengths[0]) == 4
+    r.hooks.clear()
+    snap = snapshot(r)
+    nxt = int(torch.argmax(logits[0]))
+    with pytest.raises(HandoffTimeout, match="kda"):
+        r.decode(ids(nxt), ids(4), ids(0, dtype=torch.int32), inject_fault="kda:2")
+    assert same_caches(r, snap)
+
+
+def test_tp_loopback_refusals():
+    with pytest.raises(ValueError, match="tp_rank"):
+        ModelRunner.from_preset("tiny", device="cpu", tp_size=2, tp_rank=1, progress=False)
+    with pytest.raises(ValueError, match="eagerly"):
+        ModelRunner.from_preset("tiny", device="cpu", tp_size=2, graph_programs=True, progress=False)
+    with pytest.raises(ValueError, match="tp_size"):
+        ModelRunner.from_preset("tiny", device="cpu", tp_size=3, progress=False)
