@@ -574,9 +574,15 @@ def test_sm90_compile_sparse_tp8_fp8():
     """The whole kernel (every family of the sparse build, MoE included) compiles for sm_90 (~1 min on 2
     cores; run it before a GPU session). Registers are reported, not gated: measured 255 with 788-900 B
     spilled at 4 warps (TP1 bf16 / TP8 FP8), like the KDA layer kernel: the MoE families alone reach
-    255 + 96 B, the DSA mixer's alone 255 + 56 B although no single family exceeds 168."""
+    255 + 96 B, the DSA mixer's alone 255 + 56 B although no single family exceeds 168. One compiled copy of
+    the shared wait / signal code and of every warmed body: two copies of a body would leave the dry run warming
+    the one the real call does not use (ffn.WARM_CODE)."""
     (s,) = compile_sm90([dict(tp=8, fp8=True)])
     assert s["regs"] <= 255
+    fns = s["functions"]
+    for name in ("_wait_box", "_wait_box2", "_signal_at", "_score_body", "_hist_body", "_select_body", "_attend_body",
+                 "_join_body", "gate_row", "_route_record", "post_partials"):
+        assert fns.get(name, [0])[0] == 1, (name, fns.get(name))
 
 
 @pytest.mark.slow
