@@ -9,7 +9,8 @@ outputs for the same inputs. Checked, each counted as one check:
   one word with the launch's tag (the region was used this launch);
 - box words: none newer than the launch's tag;
 - outputs finite;
-- at TP > 1 (the ModelRunner's loopback group): every rank's layer output the same bits as rank 0's;
+- at TP > 1 (the ModelRunner's loopback group): every rank's layer output and greedy ids the same bits as rank
+  0's (the runner's own check: a step where they differ is one violation, and the decode stops there);
 - per-output relative error ||out - ref|| / ||ref|| against the reference within its bound, and greedy
   ids equal where both give them.
 `report()` gives "N checks, M violations" and the metrics table (per launch kind and output: relative error,
@@ -74,11 +75,6 @@ class MonoCheck:
                 words = launch.layout.view(launch.scratch, r.name).reshape(-1).to(torch.int64).cpu() & TAG_MASK
                 self._expect(bool((words <= tag).all()), f"{name}.{r.name}: box words newer than tag {tag}")
 
-    def same(self, launch: str, what: str, out: torch.Tensor, ref: torch.Tensor) -> None:
-        """One check: `out` the same bits as `ref` (a TP rank's output against rank 0's)."""
-        self._expect(out.shape == ref.shape and torch.equal(out.cpu(), ref.cpu()),
-                     f"{launch}: {what} differs from rank 0's")
-
     # ------------------------------------------------------------------ outputs vs reference
     def output(self, launch: str, out_name: str, out: torch.Tensor, ref: torch.Tensor | None,
                bound: float = 1e-2) -> None:
@@ -125,8 +121,6 @@ def hook(checker: MonoCheck):
     def after_launch(kind, launch, outputs: dict, reference: dict) -> None:
         checker.scratch(launch)
         for name, out in outputs.items():
-            if "rank0:" + name in reference:
-                checker.same(kind, f"rank {launch.tp_rank}'s {name}", out, reference["rank0:" + name])
             if name == "ids":
                 checker.ids(kind, out, reference["ids"])
             else:
@@ -216,11 +210,14 @@ def _check_batched(a) -> int:
     r.hooks.append(hook(checker))
     toks = [[t] for t in nxt]
     slots = torch.arange(a.rows, dtype=torch.int32)
-    for _ in range(a.steps - 1):
-        ids = torch.tensor([t[-1] for t in toks], dtype=torch.int64)
-        pos = torch.tensor([r.length(i) for i in range(a.rows)], dtype=torch.int64)
-        for i, t in enumerate(r.decode(ids, pos, slots).argmax(-1).tolist()):
-            toks[i].append(int(t))
+    try:
+        for _ in range(a.steps - 1):
+            ids = torch.tensor([t[-1] for t in toks], dtype=torch.int64)
+            pos = torch.tensor([r.length(i) for i in range(a.rows)], dtype=torch.int64)
+            for i, t in enumerate(r.decode(ids, pos, slots).argmax(-1).tolist()):
+                toks[i].append(int(t))
+    except RuntimeError as e:       # the runner's own checks: TP ranks that disagree, a hand-off that timed out
+        checker._expect(False, f"decode step: {e}")
     for i, t in enumerate(toks):
         print(f"row {i} tokens:", ",".join(map(str, t)))
     print(checker.report())

@@ -322,8 +322,7 @@ class ModelRunner:
         """One eager step on a width's builds. At TP > 1 the group in loopback (tp_loopback.py): each layer's
         rank launches in three passes, the tail's in two; every rank's X' and greedy ids must be the same bits
         (RuntimeError if not). Hooks (check.py) see every launch: X', the KDA state / window (the rank's slice)
-        and the tail's ids and logits against the reference's, and at TP > 1 (reference key "rank0:X") rank 0's
-        X' to agree with."""
+        and the tail's ids and logits against the reference's."""
         from sync import HandoffTimeout
 
         from .tp_loopback import commit_rank_state, rank_state, run_layer, run_tail
@@ -359,7 +358,7 @@ class ModelRunner:
                     rc = c.clone()
                     ref = self.ref.layer_step(rc, p.index, ref_in, pos, sl)
                     for L, Xr in zip(Ls, outs):
-                        o, rf = {"X": Xr}, {"X": ref, "rank0:X": X} if T > 1 else {"X": ref}
+                        o, rf = {"X": Xr}, {"X": ref}
                         if p.launch != "sparse":
                             Sr, Wr = rank_state(cfg, rc.kda_state[sl, j], rc.conv_window[sl, j], L.tp_rank, T)
                             o.update(state=L.S_out[:B], window=L.W_out[:B])
