@@ -16,8 +16,13 @@ Variants (WAIT, SIG):
   wait 3  wait 2 with the CTA's outcome by one bar.red.or.pred (sync.asm cta_any) instead of a tensor min
           (in the launches' kernels the min spilled a register whose reload followed the fence; branch
           next/cta-any-wait)
+  wait 4  wait 3 without the fence after the spin (not an acquire: what the consumer's fence costs)
+  wait 5  wait 3 with the budget on %clock64 instead of %globaltimer (what the timer read costs a poll cycle)
+  wait 6  tagged pairs (sync.device.await_pairs: every thread polls its 8-byte words, one fence); with sig 3
   sig 0   the signal before (barrier, fence in every thread, every thread stores)
   sig 1   sync.device.signal_box since then: barrier, then warp 0 fences and stores (sync.asm.signal_warp0)
+  sig 2   sig 1 without the fence (not a release: what the producer's fence costs)
+  sig 3   tagged pairs (sync.device.publish_pairs: one 8-byte relaxed store a word, no barrier, no fence); with wait 6
 
 --pollers: 0 the other CTAs exit; 1 they poll their own blocks (hot lines); 2 they stream a buffer larger than
 L2 from HBM (32 KB of loads in flight a CTA, as the launches' GEMV stages keep) until released: a hop in a loaded
@@ -38,9 +43,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from sync.asm import (cta_any, fence_acq_rel, globaltimer, ld_relaxed_u32, line_loads_ptx, line_match_ptx,  # noqa: E402
-                      signal_warp0, spin_lines_warp0, tid_x)
-from sync.device import release_cta, signal_box, staggered_budget, store_words, wait_box  # noqa: E402
+from sync.asm import (_signal_warp0_ptx, _spin_warp0_ptx, cta_any, fence_acq_rel, globaltimer,  # noqa: E402
+                      ld_relaxed_u32, line_loads_ptx, line_match_ptx, signal_warp0, spin_lines_warp0, tid_x)
+from sync.device import (await_pairs, publish_pairs, release_cta, signal_box, staggered_budget,  # noqa: E402
+                         store_words, wait_box)
 from sync.header import H_ABORT, HEADER_WORDS  # noqa: E402
 
 
@@ -99,6 +105,15 @@ def _spin_all_ptx() -> str:
 
 
 SPIN_ALL: tl.constexpr = tl.constexpr(_spin_all_ptx())
+SPIN_NOFENCE: tl.constexpr = tl.constexpr(_spin_warp0_ptx(fence=False))
+SPIN_CLOCK: tl.constexpr = tl.constexpr(_spin_warp0_ptx(timer="%clock64"))
+SIGNAL_NOFENCE: tl.constexpr = tl.constexpr(_signal_warp0_ptx(fence=False))
+
+
+@triton.jit
+def _spin_variant(block, n_prod, tag, abort_ptr, budget, PTX: tl.constexpr):
+    return tl.inline_asm_elementwise(PTX, "=r,l,r,r,l,l,r", [block, n_prod, tag, abort_ptr, budget.to(tl.int64), 0],
+                                     dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -135,7 +150,7 @@ def _old_wait(block, n_prod, tag, hdr, budget_ns):
 
 
 @triton.jit
-def _wait(box, c, block_words, n_prod, tag, hdr, budget_ns, WAIT: tl.constexpr):
+def _wait(box, pairs, c, block_words, n_prod, tag, hdr, budget_ns, WAIT: tl.constexpr):
     if WAIT == 0:
         ok = _old_wait(box + c * block_words, n_prod, tag, hdr, budget_ns)
     elif WAIT == 1:
@@ -145,9 +160,20 @@ def _wait(box, c, block_words, n_prod, tag, hdr, budget_ns, WAIT: tl.constexpr):
         ok = tl.min(tl.zeros([tl.extra.cuda.num_threads()], tl.int32) + live, axis=0)
     elif WAIT == 2:
         ok = wait_box(box, c, block_words, n_prod, tag, hdr, 0, c, budget_ns)
-    else:                                # wait_box's spin, the outcome by bar.red.or.pred
+    elif WAIT == 3:                      # wait_box's spin, the outcome by bar.red.or.pred
         live = spin_lines_warp0(box + c * block_words, n_prod, tag, hdr + H_ABORT, staggered_budget(budget_ns, 0), 0)
         ok = 1 - cta_any(1 - live)
+    elif WAIT == 4:                      # no fence after the spin
+        live = _spin_variant(box + c * block_words, n_prod, tag, hdr + H_ABORT, staggered_budget(budget_ns, 0),
+                             SPIN_NOFENCE)
+        ok = 1 - cta_any(1 - live)
+    elif WAIT == 5:                      # budget on %clock64 (2 cycles a ns: at most 2 GHz, so never shorter)
+        live = _spin_variant(box + c * block_words, n_prod, tag, hdr + H_ABORT, 2 * staggered_budget(budget_ns, 0),
+                             SPIN_CLOCK)
+        ok = 1 - cta_any(1 - live)
+    else:                                # tagged pairs: block c of the pair region, n_prod 8-byte words
+        offs = tl.arange(0, 256)
+        _, ok = await_pairs(pairs + c * 256 + offs, offs < n_prod, tag, hdr, 0, c, budget_ns)
     return ok
 
 
@@ -172,21 +198,28 @@ def _stream_until_released(src, n_src, out, box, c, block_words, tag):
 
 
 @triton.jit
-def _signal(box, c, block_words, n_words, tag, SIG: tl.constexpr):
+def _signal(box, pairs, c, block_words, n_words, tag, SIG: tl.constexpr):
     """Words 0 .. n_words - 1 of consumer c's block (as n_words producers arriving at once)."""
     if SIG == 0:
         release_cta()
         offs = tl.arange(0, 256)
         store_words(box + c * block_words + offs, tl.zeros([256], tl.int32) + tag, offs < n_words)
-    else:
+    elif SIG == 1:
         # sync.device.signal_box's GPU path; one consumer, n_words "producers": lane l of warp 0 stores words
         # l, l + 32, ... (block_words 1: word = consumer index)
         tl.debug_barrier()
         signal_warp0(box + c * block_words, n_words, 1, 0, tag)
+    elif SIG == 2:                       # without the fence
+        tl.debug_barrier()
+        tl.inline_asm_elementwise(SIGNAL_NOFENCE, "=r,l,r,r,r,r", [box + c * block_words, n_words, 1, 0, tag],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:                                # tagged pairs: payload = the tag's low bits, as data would be
+        offs = tl.arange(0, 256)
+        publish_pairs(pairs + c * 256 + offs, offs + tag, tag, offs < n_words, 0, -1)
 
 
 @triton.jit
-def hop_kernel(box, hdr, out, src, n_src, n_iter, n_words, block_words, peer, tag0, budget_ns, POLLERS: tl.constexpr,
+def hop_kernel(box, pairs, hdr, out, src, n_src, n_iter, n_words, block_words, peer, tag0, budget_ns, POLLERS: tl.constexpr,
                WAIT: tl.constexpr, SIG: tl.constexpr):
     pid = tl.program_id(0)
     ok = 1
@@ -194,8 +227,8 @@ def hop_kernel(box, hdr, out, src, n_src, n_iter, n_words, block_words, peer, ta
         t0 = globaltimer()
         k = 0
         while (k < n_iter) & (ok != 0):
-            _signal(box, peer, block_words, n_words, tag0 + 2 * k, SIG)
-            ok = _wait(box, 0, block_words, n_words, tag0 + 2 * k + 1, hdr, budget_ns, WAIT)
+            _signal(box, pairs, peer, block_words, n_words, tag0 + 2 * k, SIG)
+            ok = _wait(box, pairs, 0, block_words, n_words, tag0 + 2 * k + 1, hdr, budget_ns, WAIT)
             k += 1
         t1 = globaltimer()
         if POLLERS:                      # release the pollers: word 0 of every other block
@@ -203,19 +236,22 @@ def hop_kernel(box, hdr, out, src, n_src, n_iter, n_words, block_words, peer, ta
             c = 1
             while c < nc:
                 if c != peer:
-                    _signal(box, c, block_words, 1, tag0 + 2 * n_iter, SIG)
+                    if POLLERS == 2:     # the streams poll box word 0 (sync.device.signal_box's path)
+                        _signal(box, pairs, c, block_words, 1, tag0 + 2 * n_iter, 1)
+                    else:
+                        _signal(box, pairs, c, block_words, 1, tag0 + 2 * n_iter, SIG)
                 c += 1
         tl.store(out, t1 - t0)
         tl.store(out + 1, ok)
     elif pid == peer:
         k = 0
         while (k < n_iter) & (ok != 0):
-            ok = _wait(box, peer, block_words, n_words, tag0 + 2 * k, hdr, budget_ns, WAIT)
-            _signal(box, 0, block_words, n_words, tag0 + 2 * k + 1, SIG)
+            ok = _wait(box, pairs, peer, block_words, n_words, tag0 + 2 * k, hdr, budget_ns, WAIT)
+            _signal(box, pairs, 0, block_words, n_words, tag0 + 2 * k + 1, SIG)
             k += 1
         tl.store(out + 2, ok)
     elif POLLERS == 1:
-        _wait(box, pid, block_words, 1, tag0 + 2 * n_iter, hdr, budget_ns, WAIT)
+        _wait(box, pairs, pid, block_words, 1, tag0 + 2 * n_iter, hdr, budget_ns, WAIT)
     elif POLLERS == 2:
         _stream_until_released(src, n_src, out, box, pid, block_words, tag0 + 2 * n_iter)
 
@@ -228,7 +264,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pollers", default="0,1,2",
                     help="0: the other CTAs exit; 1: they poll their blocks; 2: they stream a buffer from HBM")
     ap.add_argument("--variants", default="0:0,1:0,2:0,2:1,3:1",
-                    help="WAIT:SIG pairs (2:1 = the launches' hop, 3:1 = with the bar.red outcome)")
+                    help="WAIT:SIG pairs (2:1 = the launches' hop, 3:1 = with the bar.red outcome; 4:1, 3:2, 4:2, 5:1, 6:3: "
+                         "the fences, the timer, tagged pairs)")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args(argv)
     dev = "cuda"
@@ -237,6 +274,7 @@ def main(argv=None) -> int:
     peer = sms + 1 if grid > sms + 1 else grid - 1            # another SM than CTA 0's (CTAs fill SMs in order)
     block_words = 256
     box = torch.zeros(grid * block_words, dtype=torch.int32, device=dev)
+    pairs = torch.zeros(grid * 256, dtype=torch.int64, device=dev)
     hdr = torch.zeros(HEADER_WORDS, dtype=torch.int32, device=dev)
     out = torch.zeros(4, dtype=torch.int64, device=dev)
     src = torch.ones(512 << 20, dtype=torch.bfloat16, device=dev)   # 1 GB: --pollers 2 streams it (> L2)
@@ -246,9 +284,11 @@ def main(argv=None) -> int:
         for words in [int(w) for w in a.words.split(",")]:
             for v in a.variants.split(","):
                 wait, sig = (int(x) for x in v.split(":"))
+                if (wait == 6) != (sig == 3):
+                    raise SystemExit(f"variant {v}: tagged pairs are wait 6 with sig 3")
                 res = []
                 for rep in range(4):                     # rep 0 compiles and warms up
-                    hop_kernel[(grid,)](box, hdr, out, src, src.numel(), a.iters, words, block_words, peer, tag,
+                    hop_kernel[(grid,)](box, pairs, hdr, out, src, src.numel(), a.iters, words, block_words, peer, tag,
                                         int(1e9), POLLERS=pollers, WAIT=wait, SIG=sig, num_warps=4)
                     tag += 2 * a.iters + 2
                     o = out.tolist()

@@ -164,26 +164,27 @@ def _line_check_ptx(w: list[str], n_prod: str) -> list[str]:
                "@%vp2 add.u32 %vline, %vline, 32;"])
 
 
-def _vote_end_ptx() -> list[str]:
+def _vote_end_ptx(fence: bool = True, timer: str = "%globaltimer") -> list[str]:
     # %vp1 = this lane is past its lines: all lanes past -> fence and leave; else lane 0's abort word or the
-    # budget ends the spin (any lane: the warp leaves together, $0 = 0), or the next poll cycle
+    # budget ends the spin (any lane: the warp leaves together, $0 = 0), or the next poll cycle.
+    # fence=False / timer="%clock64" (budget in cycles): variants for scripts/bench_hop.py only (what the
+    # fence and the timer read cost per hop); without the fence the spin is not an acquire.
     return ["vote.sync.all.pred %vp3, %vp1, 0xffffffff;",
             "@%vp3 bra VOTE_FENCE;",
             "setp.eq.u32 %vp4, %vab, $3;",                # lane 0: the launch aborted
-            "mov.u64 %vt1, %globaltimer;",
+            f"mov.u64 %vt1, {timer};",
             "sub.s64 %vt1, %vt1, %vt0;",
             "setp.gt.s64 %vp5, %vt1, $5;",                # out of time
             "or.pred %vp4, %vp4, %vp5;",
             "vote.sync.any.pred %vp4, %vp4, 0xffffffff;",
             "@!%vp4 bra VOTE_TOP;",
             "mov.u32 $0, 0;",
-            "VOTE_FENCE:",
-            "fence.acq_rel.gpu;",
+            "VOTE_FENCE:"] + (["fence.acq_rel.gpu;"] if fence else []) + [
             "VOTE_OUT:",
             "}"]
 
 
-def _spin_warp0_ptx() -> str:
+def _spin_warp0_ptx(fence: bool = True, timer: str = "%globaltimer") -> str:
     # Warp 0 polls, the other warps return at once (they wait at the caller's barrier). Lane l polls lines
     # l, l + 32, ... (one at a time, the next once the current one is complete); lane 0 alone loads the
     # abort word, in the same round trip as the lines; each cycle ends with two warp votes (every lane
@@ -197,7 +198,7 @@ def _spin_warp0_ptx() -> str:
          "mov.u32 $0, 1;", "mov.u32 %vtid, %tid.x;",
          "setp.ge.u32 %vp0, %vtid, 32;",
          "@%vp0 bra VOTE_OUT;",
-         "mov.u64 %vt0, %globaltimer;", "mov.u32 %vline, %vtid;", "setp.eq.u32 %vp6, %vtid, 0;",
+         f"mov.u64 %vt0, {timer};", "mov.u32 %vline, %vtid;", "setp.eq.u32 %vp6, %vtid, 0;",
          "VOTE_TOP:",
          "mov.u32 %vab, 0;",
          "@%vp6 ld.relaxed.gpu.global.u32 %vab, [$4];",
@@ -210,7 +211,7 @@ def _spin_warp0_ptx() -> str:
     a += ["VOTE_JOIN:",
           "shl.b32 %vfirst, %vline, 5;",
           "setp.ge.s32 %vp1, %vfirst, $2;"]
-    return "\n".join(a + _vote_end_ptx())
+    return "\n".join(a + _vote_end_ptx(fence, timer))
 
 
 SPIN_WARP0_PTX: tl.constexpr = tl.constexpr(_spin_warp0_ptx())
@@ -281,7 +282,7 @@ def spin_lines_warp0(block, n_prod, tag, abort_ptr, budget_ns, pin):
                                      dtype=tl.int32, is_pure=False, pack=1)
 
 
-def _signal_warp0_ptx() -> str:
+def _signal_warp0_ptx(fence: bool = True) -> str:
     # Warp 0: fence.acq_rel (release for every store the CTA made before the caller's barrier), then lane l
     # stores the tag into word `producer` of consumer blocks l, l + 32, ... The other warps do nothing: one
     # warp fences instead of all four.
@@ -290,8 +291,7 @@ def _signal_warp0_ptx() -> str:
         "{", ".reg .pred %gp<2>;", ".reg .b32 %gtid, %gc;", ".reg .b64 %ga, %gs;",
         "mov.u32 $0, 0;", "mov.u32 %gtid, %tid.x;",
         "setp.ge.u32 %gp0, %gtid, 32;",
-        "@%gp0 bra SIG_OUT;",
-        "fence.acq_rel.gpu;",
+        "@%gp0 bra SIG_OUT;"] + (["fence.acq_rel.gpu;"] if fence else []) + [   # fence=False: bench_hop only
         "mov.u32 %gc, %gtid;",
         "SIG_TOP:",
         "setp.ge.s32 %gp1, %gc, $2;",

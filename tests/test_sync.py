@@ -226,14 +226,14 @@ from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from bench_hop import hop_kernel as k
 sig = {n: "i32" for n in k.arg_names}
-sig.update(box="*i32", hdr="*i32", out="*i64", src="*bf16", budget_ns="i64", POLLERS="constexpr", WAIT="constexpr",
-           SIG="constexpr")
+sig.update(box="*i32", pairs="*i64", hdr="*i32", out="*i64", src="*bf16", budget_ns="i64", POLLERS="constexpr",
+           WAIT="constexpr", SIG="constexpr")
 out = {}
-for pollers, wait in ((2, 3), (1, 2)):
-    attrs = {(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("box", "hdr", "out", "src")}
-    ck = triton.compile(ASTSource(fn=k, signature=sig, constexprs={"POLLERS": pollers, "WAIT": wait, "SIG": 1},
+for pollers, wait, s in ((2, 3, 1), (1, 2, 1), (0, 4, 2), (0, 5, 1), (0, 6, 3)):
+    attrs = {(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("box", "pairs", "hdr", "out", "src")}
+    ck = triton.compile(ASTSource(fn=k, signature=sig, constexprs={"POLLERS": pollers, "WAIT": wait, "SIG": s},
                                   attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    out[f"{pollers}{wait}"] = ck.asm["ptx"]
+    out[f"{pollers}{wait}" + ("" if s == 1 else str(s))] = ck.asm["ptx"]
 print(json.dumps({"ptx": json.dumps(out)}))
 """
 
@@ -249,3 +249,8 @@ def test_sm90_bench_hop_variants_compile():
     stream = [ln for ln in ptx["23"].splitlines() if "ld.global" in ln and "evict_first" in ln]
     assert len(stream) == 16 and all(".v4." in ln for ln in stream)     # 16384 bf16 / 128 threads in 16-byte loads
     assert ptx["23"].count(SPIN_LINE_LOAD) >= 8
+    # the measurement-only variants: 4:2 has no fence on either side, 5:1 times its budget on %clock64, 6:3 hands
+    # off through 8-byte tagged pairs (relaxed stores, relaxed polls, the consumer's one fence)
+    assert "fence" not in ptx["042"] and ptx["042"].count(SPIN_LINE_LOAD) >= 8
+    assert "%clock64" in ptx["05"] and "fence.acq_rel.gpu" in ptx["05"]
+    assert PAIR_LOAD in ptx["063"] and "st.relaxed.gpu.global.b64" in ptx["063"] and SPIN_LINE_LOAD not in ptx["063"]
