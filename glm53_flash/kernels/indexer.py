@@ -95,16 +95,18 @@ def idx_pool_prefetch(ln_w, ln_b, ape, tail, pos, D: tl.constexpr, KP: tl.conste
 
 
 @triton.jit
-def idx_pool_finish(x, g, lw, lb, keys, z, ape, tail, pool_keys, pos, eps, D: tl.constexpr, KP: tl.constexpr):
-    """The pool key task on the raw key x and gate g [D] fp32 (idx_pool_prefetch's outputs beside them)."""
+def idx_pool_finish(x, g, lw, lb, keys, z, ape, tail, pool_keys, pos, eps, D: tl.constexpr, KP: tl.constexpr,
+                    live=1):
+    """The pool key task on the raw key x and gate g [D] fp32 (idx_pool_prefetch's outputs beside them).
+    live == 0: every store masked off (a launch's dry run: the caches are written in place)."""
     c = tl.arange(0, D)
     mean = tl.sum(x, axis=0) / D
     xc = x - mean
     var = tl.sum(xc * xc, axis=0) / D
     k = xc / tl.sqrt(var + eps) * lw + lb
     slot = pos % KP
-    tl.store(tail + slot * 2 * D + c, k)
-    tl.store(tail + slot * 2 * D + D + c, g)
+    tl.store(tail + slot * 2 * D + c, k, mask=(c < D) & (live != 0))
+    tl.store(tail + slot * 2 * D + D + c, g, mask=(c < D) & (live != 0))
     if slot == KP - 1:
         j = tl.arange(0, KP)
         fresh = (j == KP - 1)[:, None]
@@ -113,7 +115,8 @@ def idx_pool_finish(x, g, lw, lb, keys, z, ape, tail, pool_keys, pos, eps, D: tl
         e = tl.exp(z - tl.max(z, axis=0)[None, :])
         p = e / tl.sum(e, axis=0)[None, :]
         pk = tl.sum(p * keys, axis=0)                                      # [D]
-        tl.store(pool_keys + (pos // KP).to(tl.int64) * D + c, pk.to(pool_keys.dtype.element_ty))
+        tl.store(pool_keys + (pos // KP).to(tl.int64) * D + c, pk.to(pool_keys.dtype.element_ty),
+                 mask=(c < D) & (live != 0))
 
 
 @triton.jit

@@ -62,12 +62,13 @@ def dsa_norm_prefetch(qa_ln, kva_ln, kn_w, kn_b, ape, tail, pos, QL: tl.constexp
 @triton.jit
 def dsa_norm_finish(ya_r, plane, wq, wc, lw, lb, keys, z, ape, qr_r, lat_row, tail, pool_keys, pos, eps,
                     QL: tl.constexpr, C: tl.constexpr, DI: tl.constexpr, NI: tl.constexpr, KP: tl.constexpr,
-                    KS: tl.constexpr, Q_PAD: tl.constexpr, C_PAD: tl.constexpr, NI_PAD: tl.constexpr):
+                    KS: tl.constexpr, Q_PAD: tl.constexpr, C_PAD: tl.constexpr, NI_PAD: tl.constexpr, live=1):
     """One row after the ya wait, every load in one batch. ya_r = [q_a (QL) | kv_a (C) | wk (DI) | gate (DI)
     | weights_proj (NI)] fp32, KS split-K planes joined here in plane order -> q_resid into qr_r
     (activation dtype), the latent c into the slot's cache row lat_row (the cache's dtype), the indexer's
     tail row / pooled key into the slot's ring and pool keys; KS > 1: the joined weights_proj values back
-    into plane 0 (the scoring tasks read them there, after hand-offs downstream of this task)."""
+    into plane 0 (the scoring tasks read them there, after hand-offs downstream of this task). live == 0: the
+    same code stores nothing (a dry run: plane 0 and the caches are written in place)."""
     xq = _plane_sum(ya_r, plane, QL, KS, Q_PAD)
     xc = _plane_sum(ya_r + QL, plane, C, KS, C_PAD)
     xk = _plane_sum(ya_r + QL + C, plane, DI, KS, DI)
@@ -75,12 +76,12 @@ def dsa_norm_finish(ya_r, plane, wq, wc, lw, lb, keys, z, ape, qr_r, lat_row, ta
     if KS > 1:
         ow = tl.arange(0, NI_PAD)
         xw = _plane_sum(ya_r + QL + C + 2 * DI, plane, NI, KS, NI_PAD)
-        tl.store(ya_r + QL + C + 2 * DI + ow, xw, mask=ow < NI)
+        tl.store(ya_r + QL + C + 2 * DI + ow, xw, mask=(ow < NI) & (live != 0))
     oq = tl.arange(0, Q_PAD)
     oc = tl.arange(0, C_PAD)
-    tl.store(qr_r + oq, (_rms(xq, QL, eps) * wq).to(qr_r.dtype.element_ty), mask=oq < QL)
-    tl.store(lat_row + oc, (_rms(xc, C, eps) * wc).to(lat_row.dtype.element_ty), mask=oc < C)
-    idx_pool_finish(xk, xg, lw, lb, keys, z, ape, tail, pool_keys, pos, 1e-6, DI, KP)
+    tl.store(qr_r + oq, (_rms(xq, QL, eps) * wq).to(qr_r.dtype.element_ty), mask=(oq < QL) & (live != 0))
+    tl.store(lat_row + oc, (_rms(xc, C, eps) * wc).to(lat_row.dtype.element_ty), mask=(oc < C) & (live != 0))
+    idx_pool_finish(xk, xg, lw, lb, keys, z, ape, tail, pool_keys, pos, 1e-6, DI, KP, live)
 
 
 @triton.jit
