@@ -15,6 +15,8 @@ always taken 16-byte aligned), as Triton would specialise them at a real launch;
 function; Triton compiles a noinline function once per set of constexpr arguments, so copies > 1 is code the
 SM's instruction cache holds twice), and "code_instructions", their sum. A task's code that is not in that cache
 costs ~6 cycles an instruction on the H200 (bench/RESULTS.md steps 23-25): code size is a budget like registers.
+"calls": {short name: CALL instructions targeting it in the SASS}: a warmed body (launches/ffn.py WARM_CODE) must
+be called twice, the dry run and the real call, through one copy.
 """
 from __future__ import annotations
 
@@ -62,6 +64,22 @@ def functions(cubin):
     return fns, total
 
 
+def call_sites(cubin):
+    """{short name: CALL instructions that target it} in the sm_90 SASS (nvdisasm of the cubin): a noinline function
+    whose every call site survived to the SASS. One symbol with fewer calls than call sites in the source means a
+    call was inlined (a second specialisation compiled into its caller), which the symbol count cannot see."""
+    nvdisasm = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    os.unlink(f.name)
+    calls = {}
+    for m in re.finditer(r"CALL\.REL\.NOINC\s+`\(([^)`]*)\)", sass):
+        short = m.group(1).split("__P")[0].split("_$_")[-1].strip("$")
+        calls[short] = calls.get(short, 0) + 1
+    return calls
+
+
 out = []
 for spec in json.loads(sys.argv[1]):
     mod, name, sig, consts, warps = spec[:5]
@@ -85,7 +103,8 @@ for spec in json.loads(sys.argv[1]):
     spill = sum(int(m) for m in re.findall(r"(\d+) bytes spill stores", log))
     fns, total = functions(c.asm["cubin"])
     out.append(dict(kernel=name, consts=consts, warps=warps, regs=regs, spill=spill, shared=c.metadata.shared,
-                    ptx_counts={g: c.asm["ptx"].count(g) for g in grep}, functions=fns, code_instructions=total))
+                    ptx_counts={g: c.asm["ptx"].count(g) for g in grep}, functions=fns, code_instructions=total,
+                    calls=call_sites(c.asm["cubin"])))
 print(json.dumps(out))
 '''
 
@@ -96,7 +115,7 @@ def ptxas_available() -> bool:
 
 
 def kernel_registers(specs: list, timeout: float = 300) -> list[dict]:
-    """[{kernel, consts, warps, regs, spill, shared, ptx_counts, functions, code_instructions}] for each spec,
+    """[{kernel, consts, warps, regs, spill, shared, ptx_counts, functions, code_instructions, calls}] for each spec,
     compiled for sm_90 in a subprocess."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -217,6 +217,12 @@ def test_sm90_compile_kda_tp8():
                  "_kda_norm_body", "_route_record", "post_partials", "peer_task"):
         assert fns.get(name, [0])[0] == 1, (name, fns.get(name))
     assert s["code_instructions"] < 16000, s["code_instructions"]     # 20152 before the copies were removed
+    # and the warmed bodies are called twice through that copy (the dry run and the real call): a call inlined into
+    # its caller (a second specialisation) leaves one symbol but warms code the real call does not run
+    calls = s["calls"]
+    for name in ("gate_row", "_kda_body", "_kda_norm_body", "_route_record", "post_partials"):
+        assert calls.get(name, 0) >= 2, (name, calls.get(name))
+    assert calls.get("_wait_box", 0) >= 10 and calls.get("_signal_at", 0) >= 10      # one copy, called from the families
 
 
 @pytest.mark.slow

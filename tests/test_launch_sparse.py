@@ -581,8 +581,12 @@ def test_sm90_compile_sparse_tp8_fp8():
     assert s["regs"] <= 255
     fns = s["functions"]
     for name in ("_wait_box", "_wait_box2", "_signal_at", "_score_body", "_hist_body", "_select_body", "_attend_body",
-                 "_join_body", "gate_row", "_route_record", "post_partials"):
+                 "_join_body", "gate_row", "_route_record", "post_partials", "_dsa_norm_body"):
         assert fns.get(name, [0])[0] == 1, (name, fns.get(name))
+    # each warmed body called twice through its one copy (the dry run and the real call; see test_launch_kda)
+    for name in ("_dsa_norm_body", "_score_body", "_hist_body", "_select_body", "_attend_body", "_join_body", "gate_row",
+                 "_route_record", "post_partials"):
+        assert s["calls"].get(name, 0) >= 2, (name, s["calls"].get(name))
 
 
 @pytest.mark.slow
