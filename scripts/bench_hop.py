@@ -111,12 +111,6 @@ SIGNAL_NOFENCE: tl.constexpr = tl.constexpr(_signal_warp0_ptx(fence=False))
 
 
 @triton.jit
-def _spin_variant(block, n_prod, tag, abort_ptr, budget, PTX: tl.constexpr):
-    return tl.inline_asm_elementwise(PTX, "=r,l,r,r,l,l,r", [block, n_prod, tag, abort_ptr, budget.to(tl.int64), 0],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _old_spin(block, n_prod, tag, abort_ptr, budget_ns):
     t0 = globaltimer()
     line = tid_x()
@@ -164,12 +158,12 @@ def _wait(box, pairs, c, block_words, n_prod, tag, hdr, budget_ns, WAIT: tl.cons
         live = spin_lines_warp0(box + c * block_words, n_prod, tag, hdr + H_ABORT, staggered_budget(budget_ns, 0), 0)
         ok = 1 - cta_any(1 - live)
     elif WAIT == 4:                      # no fence after the spin
-        live = _spin_variant(box + c * block_words, n_prod, tag, hdr + H_ABORT, staggered_budget(budget_ns, 0),
-                             SPIN_NOFENCE)
+        live = spin_lines_warp0(box + c * block_words, n_prod, tag, hdr + H_ABORT, staggered_budget(budget_ns, 0), 0,
+                                SPIN_NOFENCE)
         ok = 1 - cta_any(1 - live)
     elif WAIT == 5:                      # budget on %clock64 (2 cycles a ns: at most 2 GHz, so never shorter)
-        live = _spin_variant(box + c * block_words, n_prod, tag, hdr + H_ABORT, 2 * staggered_budget(budget_ns, 0),
-                             SPIN_CLOCK)
+        live = spin_lines_warp0(box + c * block_words, n_prod, tag, hdr + H_ABORT, 2 * staggered_budget(budget_ns, 0),
+                                0, SPIN_CLOCK)
         ok = 1 - cta_any(1 - live)
     else:                                # tagged pairs: block c of the pair region, n_prod 8-byte words
         offs = tl.arange(0, 256)
@@ -211,8 +205,7 @@ def _signal(box, pairs, c, block_words, n_words, tag, SIG: tl.constexpr):
         signal_warp0(box + c * block_words, n_words, 1, 0, tag)
     elif SIG == 2:                       # without the fence
         tl.debug_barrier()
-        tl.inline_asm_elementwise(SIGNAL_NOFENCE, "=r,l,r,r,r,r", [box + c * block_words, n_words, 1, 0, tag],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        signal_warp0(box + c * block_words, n_words, 1, 0, tag, SIGNAL_NOFENCE)
     else:                                # tagged pairs: payload = the tag's low bits, as data would be
         offs = tl.arange(0, 256)
         publish_pairs(pairs + c * 256 + offs, offs + tag, tag, offs < n_words, 0, -1)

@@ -270,14 +270,15 @@ def spin2_lines_warp0(block1, n_prod1, block2, n_prod2, tag, abort_ptr, budget_n
 
 
 @triton.jit
-def spin_lines_warp0(block, n_prod, tag, abort_ptr, budget_ns, pin):
+def spin_lines_warp0(block, n_prod, tag, abort_ptr, budget_ns, pin, PTX: tl.constexpr = SPIN_WARP0_PTX):
     """Warp 0: poll lines lane, lane + 32, ... of a box block (128-byte aligned, n_prod words wanted) until
     each carries `tag` -> 1, or until the abort word carries `tag` or `budget_ns` passed -> 0, then
     fence.acq_rel; the other warps get 1 at once. The caller joins the outcomes (a reduction, whose CTA
     barrier holds the other warps until warp 0 is done). No CTA barrier inside. `pin` (int32) is not
     read: passing a loaded value keeps its load before the spin (a load the compiler sank past the spin
-    cost a round trip after the fence, ~0.24 us per hop in scripts/bench_hop.py)."""
-    return tl.inline_asm_elementwise(SPIN_WARP0_PTX, "=r,l,r,r,l,l,r",
+    cost a round trip after the fence, ~0.24 us per hop in scripts/bench_hop.py). PTX: another
+    _spin_warp0_ptx(...) form (bench_hop's measurement variants); the launches use the default."""
+    return tl.inline_asm_elementwise(PTX, "=r,l,r,r,l,l,r",
                                      [block, n_prod, tag, abort_ptr, budget_ns.to(tl.int64), pin],
                                      dtype=tl.int32, is_pure=False, pack=1)
 
@@ -317,10 +318,11 @@ SIGNAL_WARP0_PTX: tl.constexpr = tl.constexpr(_signal_warp0_ptx())
 
 
 @triton.jit
-def signal_warp0(box, n_cons, block_words, producer, tag):
+def signal_warp0(box, n_cons, block_words, producer, tag, PTX: tl.constexpr = SIGNAL_WARP0_PTX):
     """Warp 0 fences, then stores `tag` into word `producer` of every consumer block (lane l: consumers l,
-    l + 32, ...). The caller runs a CTA barrier first, so the other warps' stores come before the fence."""
-    return tl.inline_asm_elementwise(SIGNAL_WARP0_PTX, "=r,l,r,r,r,r", [box, n_cons, block_words, producer, tag],
+    l + 32, ...). The caller runs a CTA barrier first, so the other warps' stores come before the fence.
+    PTX: another _signal_warp0_ptx(...) form (bench_hop's variants); the launches use the default."""
+    return tl.inline_asm_elementwise(PTX, "=r,l,r,r,r,r", [box, n_cons, block_words, producer, tag],
                                      dtype=tl.int32, is_pure=False, pack=1)
 
 
