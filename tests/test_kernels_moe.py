@@ -323,3 +323,50 @@ def test_offline_sm90_registers():
     for s, (_, budget) in zip(stats, BUDGETS):
         print(f"{s['kernel']} {s['consts']} warps{s['warps']}: {s['regs']} regs, {s['spill']} B spilled")
         assert s["spill"] == 0 and s["regs"] <= budget, (s, budget)
+
+
+# ---------------------------------------------------------------------------- the merged down loop
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from glm53_flash.kernels.moe import moe_down_group  # noqa: E402
+
+
+@triton.jit
+def _down_group_kernel(wd_s, sd_s, act_s, ids, rw, act_e, w_d, s_d, y, j0, j1, E, H, I_s, I: tl.constexpr,
+                       K: tl.constexpr, BLOCK_N: tl.constexpr, MERGED: tl.constexpr):
+    n0 = tl.program_id(0) * BLOCK_N
+    acc = moe_down_group(wd_s, sd_s, act_s, ids, rw, act_e, w_d, s_d, n0, j0, j1, E, H, I, I_s, 8, BLOCK_N, 128, 3,
+                         K, MERGED)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    tl.store(y + offs_n, tl.sum(tl.where(tl.arange(0, 8)[None, :] == 0, acc, 0.0), axis=1), mask=offs_n < H)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("j0, j1", [(0, 3), (3, 6), (6, 9), (0, 2), (7, 9)], ids=lambda v: str(v))
+def test_merged_down_loop_same_bits(fmt, j0, j1, gen, one_thread):
+    """moe_down_group with the routed experts of a group in one pipelined loop (MERGED, the launches' form) gives the
+    same bits as one gemv_stream per expert, for full groups, the group holding the shared expert (j1 = K + 1) and
+    short ones (fewer routed slots than the loop's three accumulators); bf16 (with a partial last K step) and FP8."""
+    E, H, I, I_s, K, BN = 6, 128, (256 if fmt == "fp8" else 192), 128, 8, 64     # bf16: a masked last K step
+    w = torch.randn(E, H, I, generator=gen) * 0.05
+    ws = torch.randn(H, I_s, generator=gen) * 0.05
+    if fmt == "fp8":
+        q, sc = zip(*(quantize_fp8(w[e]) for e in range(E)))
+        w_d, s_d = torch.stack(q).contiguous(), torch.stack(sc).contiguous()
+        wd_s, sd_s = quantize_fp8(ws)
+    else:
+        w_d, wd_s = w.to(torch.bfloat16), ws.to(torch.bfloat16)
+        s_d, sd_s = torch.zeros(1), torch.zeros(1)
+    act_e = torch.randn(K, I, generator=gen).to(torch.bfloat16)
+    act_s = torch.randn(I_s, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, E, (K,), generator=gen, dtype=torch.int32)
+    rw = torch.rand(K, generator=gen)
+    out = []
+    for merged in (0, 3):
+        y = torch.full((H,), float("nan"))
+        _down_group_kernel[(H // BN,)](wd_s, sd_s, act_s, ids, rw, act_e, w_d, s_d, y, j0, j1, E, H, I_s, I=I, K=K,
+                                       BLOCK_N=BN, MERGED=merged)
+        out.append(y)
+    assert not out[1].isnan().any()
+    assert torch.equal(out[0].view(torch.int32), out[1].view(torch.int32))
