@@ -37,8 +37,8 @@ from ..kernels.moe import (expert_id, moe_down_group, router_finish, router_logi
                            router_store_partial, router_store_record, router_topk)
 from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACT_CTA, M_ACT_FOLD, M_ACTE, M_COEF2, M_DPART,
                   M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles,
-                  act_at, add_cols, f32_at, gemv_tile, i32_at, l2_prefetch_rows, post_cols, sig_words,
-                  signal_at, waitb, waitb2, warm_before)
+                  act_at, add_cols, f32_at, gemv_tile, i32_at, l2_prefetch_experts, l2_prefetch_rows, post_cols,
+                  sig_words, signal_at, waitb, waitb2, warm_before)
 from .mixer_kda import xchg_publish
 
 FFN_BASE = tl.constexpr(40)
@@ -342,7 +342,7 @@ def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, g, width, tp_
     acc = moe_down_group(W_d, S_d, act_at(scratch, meta, M_H, ACT_F32) + rr * I,
                          i32_at(scratch, meta, M_IDS) + rr * KE, f32_at(scratch, meta, M_RW) + rr * KE,
                          act_src, w_de, s_de, n0, g * PG, g * PG + PG,
-                         E, H, I_E, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, KE)
+                         E, H, I_E, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, KE, PG if PG <= 3 else 0)
     trace_mark(hdr, pid, 2)                                          # the group's GEMVs are done
     if KG > 1:
         gemv_store(f32_at(scratch, meta, M_DPART) + (g * width + rr) * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
@@ -379,10 +379,8 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
         while j < a1:
             rr = 0
             while rr < rows:
-                for q in tl.static_range(PG):
-                    if a3 * PG + q < KE:
-                        l2_prefetch_rows(w_de + expert_id(ids + rr * KE, a3 * PG + q, E) * H * I_E, (a0 + j) * BLOCK_N,
-                                         H, I_E, BLOCK_N)
+                l2_prefetch_experts(w_de, ids + rr * KE + a3 * PG, tl.minimum(KE - a3 * PG, PG), E, (a0 + j) * BLOCK_N,
+                                    H, I_E, BLOCK_N, PG)
                 rr += 1
             j += 1
         if (KG == 1) and (not NEXTN):   # with hc_post's coefficients, as down_task

@@ -97,10 +97,15 @@ def _l2_prefetch(W, n0, n1, H: tl.constexpr, BLOCK_N: tl.constexpr, LINES: tl.co
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_l = tl.arange(0, LINES) * EPL
         ptrs = W + offs_n[:, None].to(tl.int64) * H + offs_l[None, :]
-        m = (offs_n[:, None] < n1) & (offs_l[None, :] < H)
-        tl.inline_asm_elementwise("{\n.reg .pred %pm;\nsetp.ne.b32 %pm, $2, 0;\n@%pm prefetch.global.L2 [$1];\n"
-                                  "mov.u32 $0, 0;\n}", "=r,l,r", [ptrs, m.to(tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        prefetch_l2(ptrs, (offs_n[:, None] < n1) & (offs_l[None, :] < H))
+
+
+@triton.jit
+def prefetch_l2(ptrs, m):
+    """prefetch.global.L2 [ptrs] where m (GPU only: the interpreter has no asm)."""
+    tl.inline_asm_elementwise("{\n.reg .pred %pm;\nsetp.ne.b32 %pm, $2, 0;\n@%pm prefetch.global.L2 [$1];\n"
+                              "mov.u32 $0, 0;\n}", "=r,l,r", [ptrs, m.to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 # The families run in one while loop; inlined, the compiler hoists each family's loop-invariant index
