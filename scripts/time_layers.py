@@ -13,7 +13,8 @@ weights made on the GPU (scripts/rank_source.py `RankSource`), beside the same l
 (bf16 weights, cuBLAS GEMVs, the reference's fp32 math between them, MoE through torch._grouped_mm or a
 gather) in a CUDA graph, interleaved in the same windows; `step` times embed, dense, kda, sparse and tail
 in turn and sums them over one decode step's launch plan beside the sum of floors (or, with --from, sums
-the JSON lines of earlier per-kind runs). A kind is a builder
+the JSON lines of earlier per-kind runs); `model` measures the whole step as one captured graph (TP 1: ModelRunner's;
+TP > 1: rank 0's launches in loopback, beside the sum of each kind's launch timed alone). A kind is a builder
 returning [BenchCase] (name, one callable per weight copy, bytes read).
 
 Layer kinds rotate over as many weight copies as fit (3x the L2 in bytes read); when only one fits, every
@@ -175,8 +176,8 @@ def _rel(a, b) -> float:
 
 def build_layer(kind: str, cfg, tp: int, rows: int, weights: str, device: str, opts: dict | None = None):
     """One layer launch of `kind` (launches/{embed,dense,kda,sparse,nextn}.py, TP rank 0, loopback for TP > 1)
-    over rotated copies of random rank weights made on the device, beside the same layer as torch ops.
-    Returns (cases, accounting dict)."""
+    over rotated copies of random rank weights made on the device, beside the same layer as torch ops (unless
+    opts["baseline"] is False). Returns (cases, accounting dict)."""
     import layer_baselines as lb
     import layer_bytes as lbytes
     import rank_source
@@ -214,7 +215,7 @@ def build_layer(kind: str, cfg, tp: int, rows: int, weights: str, device: str, o
             kw["max_len"] = pos_max
         L = cls(cfg, src, layer, **kw) if kind != "nextn" else cls(cfg, src, **kw)
         base = None
-        if fmt == "bf16" or dry:
+        if (fmt == "bf16" or dry) and o.get("baseline", True):
             base = (lb.DsaBaseline(src, cfg, kind, pos, moe_mode) if kind in ("sparse", "nextn")
                     else lb.KdaLayerBaseline(src, cfg, kind, rows, moe_mode))
         src.release()
@@ -308,6 +309,80 @@ def ops_rms(x, w, eps):
 STEP_KINDS = ("embed", "dense", "kda", "sparse", "tail")
 KINDS = {"gemv": build_gemv, "tail": build_tail, "embed": None, "dense": None, "kda": None, "sparse": None,
          "nextn": None, "step": None, "model": None}
+
+
+def time_model_rank(args, dry: bool, bw: float, card: dict) -> list[dict]:
+    """--kind model --tp T > 1: rank 0's whole decode step in loopback, measured as ONE captured graph: the launch
+    plan's launches (embed, every layer, tail; not nextn) in plan order, each kind's launches built as the
+    per-kind timings build them (random rank weights made on the device, rotated over copies, the other ranks'
+    partial sums read as zeros) and taken in turn from the kind's rotation, so consecutive layers of a kind read
+    different weights. Each launch reads its own static inputs (the step's data does not flow from layer to layer;
+    the graph still runs the launches one after another, as a real step does). Timed in the same interleaved windows
+    beside each kind's launch alone: `sum_us` = the plan's count of each kind x its time, so `us - sum_us` is what
+    the chained step adds or saves (launch boundaries inside one graph). One record per batch size in `--rows`.
+    With --dry-run: the tiny preset on the CPU, one step per B through the interpreter, untimed."""
+    import gc
+
+    from glm53_flash.config import preset
+    pname = args.preset or ("tiny" if dry else "glm53-flash")
+    cfg = preset(pname)
+    if args.experts:
+        cfg = cfg.replace(n_routed_experts=args.experts)
+    cfg.check_tp(args.tp)
+    plan = [k for k in cfg.launch_plan if k != "nextn"]
+    kinds = sorted(set(plan), key=plan.index)
+    device = "cpu" if dry else DEVICE
+    recs = []
+    for R in sorted(set(args.rows_list)):
+        a = argparse.Namespace(**{**vars(args), "rows": R})
+        cases, floor_bytes = {}, 0
+        for k in kinds:
+            if k == "tail":
+                cs, acct = build_kind("tail", cfg, a, device)
+            else:
+                opts = dict(pos=args.pos, dry=dry, max_copies=args.max_copies or 2, baseline=False)
+                cs, acct = build_layer(k, cfg, args.tp, R, args.weights, device, opts)
+            cases[k] = cs[0]                                     # the launch case (flush mode: flush + launch)
+            floor_bytes += plan.count(k) * cases[k].bytes_read
+        turn = {k: 0 for k in kinds}
+
+        def step(cases=cases, turn=turn):
+            for k in plan:
+                fns = cases[k].fns
+                fns[turn[k] % len(fns)]()
+                turn[k] += 1
+        name = f"model step tp{args.tp} rows{R} {args.weights} ({len(plan)} launches, rank 0 loopback)"
+        checks = [c for k in kinds for c in cases[k].checks]
+        step_case = BenchCase(name, [step], floor_bytes, {"fmt": args.weights}, checks=checks)
+        rec = dict(card, title="time_layers --kind model" + (" --dry-run" if dry else ""), preset=pname, rows=R,
+                   tp=args.tp, pos=args.pos, launches=len(plan), floor_bytes=floor_bytes,
+                   floor_us=round(floor_bytes / bw * 1e6, 2),
+                   counts={k: plan.count(k) for k in kinds},
+                   timing={k: cases[k].info.get("timing") for k in kinds if k != "tail"})
+        if dry:
+            step()                                               # every launch of the plan once, interpreted
+            for c in checks:
+                c()
+        else:
+            us = time_interleaved([step_case] + [cases[k] for k in kinds], args.reps, args.windows)
+            if any(cases[k].info.get("minus") for k in kinds):
+                rec["note"] = "a kind timed in flush mode: its launches in the step include the L2 flush"
+            rec["us"] = round(us[name], 2)
+            rec["per_kind_us"] = {k: round(us[cases[k].name], 2) for k in kinds}
+            rec["sum_us"] = round(sum(plan.count(k) * us[cases[k].name] for k in kinds), 2)
+            rec["pct_floor"] = round(100 * rec["floor_us"] / rec["us"], 1)
+        print(f"== {rec['title']}: {pname} {args.weights}, TP {args.tp} rank 0 (loopback), {R} rows at position "
+              f"{args.pos}, {len(plan)} launches")
+        print(f"   floor {rec['floor_us']:.1f} us ({floor_bytes / 1e9:.3f} GB at {bw / 1e12:.2f} TB/s)"
+              + (f", step graph {rec['us']:.1f} us ({rec['pct_floor']:.1f}% of floor), sum of the launches timed "
+                 f"alone {rec['sum_us']:.1f} us" if "us" in rec else ", untimed"))
+        print(json.dumps(rec, default=str))
+        recs.append(rec)
+        del cases, step_case, checks
+        gc.collect()
+        if not dry:
+            torch.cuda.empty_cache()
+    return recs
 
 
 def time_model(args, dry: bool, bw: float, card: dict) -> list[dict]:
@@ -413,9 +488,11 @@ def main(argv=None) -> int:
                          "layer, a MoE layer); sparse = a DSA + MoE layer; nextn = the MTP block + its draft-logits "
                          "tail; step = every kind of one decode step's launch plan (embed, 2 dense, 31 kda, "
                          "11 sparse, tail: 46 launches) timed in turn and summed beside the sum of floors; model = "
-                         "the whole step as ModelRunner's one captured graph (TP 1, default preset glm53-flash-e80, "
-                         "--pos prompt tokens per slot, default 16), measured per batch size in --rows (e.g. "
-                         "1,2,4,8), beside the sum of floors")
+                         "the whole step as one captured graph, measured per batch size in --rows (e.g. 1,2,4,8), "
+                         "beside the sum of floors: TP 1 = ModelRunner's step graph (default preset "
+                         "glm53-flash-e80, --pos prompt tokens per slot, default 16); TP > 1 = rank 0's launches "
+                         "of the plan in loopback (default preset glm53-flash), beside the sum of each kind's "
+                         "launch timed alone")
     ap.add_argument("--tp", type=int, choices=(1, 2, 4, 8), default=1,
                     help="tensor-parallel degree: time rank 0's shapes (heads/rows split by TP); TP > 1 runs the "
                          "launch in loopback mode (the other ranks' partial sums read as zeros)")
@@ -507,7 +584,7 @@ def main(argv=None) -> int:
         print("--dry-run covers the launch kinds, not gemv", file=sys.stderr)
         return 2
     from glm53_flash.config import preset
-    cfg = preset(args.preset or ("tiny" if dry else "glm53-flash-e80" if args.kind == "model" else "glm53-flash"))
+    cfg = preset(args.preset or ("tiny" if dry else "glm53-flash-e80" if args.kind == "model" and args.tp == 1 else "glm53-flash"))
     if args.experts:
         cfg = cfg.replace(n_routed_experts=args.experts)
     if args.pos is None:
@@ -526,9 +603,7 @@ def main(argv=None) -> int:
                  "preset": args.preset or ("tiny" if dry else "glm53-flash"), "experts": cfg.n_routed_experts,
                  "read_kernels_gbps": bw_detail})
     if args.kind == "model":
-        if args.tp != 1:
-            ap.error("--kind model runs TP 1 (ModelRunner drives one rank)")
-        recs = time_model(args, dry, bw, card)
+        recs = (time_model if args.tp == 1 else time_model_rank)(args, dry, bw, card)
         _plot_after(args, recs)
         return 0
     if args.kind in ("gemv",):

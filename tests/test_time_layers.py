@@ -210,8 +210,7 @@ def test_time_matrix_cases_and_records(tmp_path, capsys):
 def test_dry_run_model_kind():
     """--kind model --dry-run --rows 1,2: one ModelRunner (widths 1 and 2) on the tiny preset, 2 prompt tokens a slot
     through decode steps, then one checked step per batch size through its step program: a record per B with
-    finite logits and the floor = the launch plan's bytes at that B; a row list refused for other kinds; TP > 1
-    refused."""
+    finite logits and the floor = the launch plan's bytes at that B; a row list refused for other kinds."""
     import layer_bytes as lbytes
     env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1")
     p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "time_layers.py"), "--dry-run", "--kind", "model",
@@ -230,10 +229,25 @@ def test_dry_run_model_kind():
     p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "time_layers.py"), "--dry-run", "--kind", "kda",
                         "--rows", "1,2"], capture_output=True, text=True, env=env)
     assert p.returncode == 2 and "a list goes with --kind model" in p.stderr
+
+
+def test_dry_run_model_kind_tp2():
+    """--kind model --tp 2 --dry-run: rank 0's step in loopback, every kind's launch built (no baselines) and the
+    launch plan run once through the interpreter in plan order, each launch checked clean; the record counts the
+    plan's launches per kind and its floor is the plan's per-launch bytes summed."""
+    import layer_bytes as lbytes
+    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1")
     p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "time_layers.py"), "--dry-run", "--kind", "model",
-                        "--tp", "2"], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT,
-                                                                                 TRITON_INTERPRET="1"))
-    assert p.returncode == 2 and "runs TP 1" in p.stderr
+                        "--tp", "2", "--rows", "1"], capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    recs = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    cfg = preset("tiny")
+    plan = [k for k in cfg.launch_plan if k != "nextn"]
+    assert len(recs) == 1 and recs[0]["tp"] == 2 and recs[0]["launches"] == len(plan) and "us" not in recs[0]
+    assert recs[0]["counts"] == {k: plan.count(k) for k in sorted(set(plan), key=plan.index)}
+    layer_bytes = sum(sum(lbytes.launch_bytes(k, cfg, 2, 1, "bf16", pos=recs[0]["pos"]).values())
+                      for k in plan if k != "tail")
+    assert recs[0]["floor_bytes"] > layer_bytes > 0              # + the tail's lm_head shard
 
 
 def _plot_records():
