@@ -311,6 +311,16 @@ KINDS = {"gemv": build_gemv, "tail": build_tail, "embed": None, "dense": None, "
          "nextn": None, "step": None, "model": None}
 
 
+def kind_groups(plan: list[str], launches: list) -> dict[str, list]:
+    """{kind: its launches in plan order} for a step program's launches (plan: their kinds, one each)."""
+    if len(plan) != len(launches):
+        raise ValueError(f"{len(launches)} launches for a plan of {len(plan)}")
+    groups: dict[str, list] = {}
+    for k, L in zip(plan, launches):
+        groups.setdefault(k, []).append(L)
+    return groups
+
+
 def time_model_rank(args, dry: bool, bw: float, card: dict) -> list[dict]:
     """--kind model --tp T > 1: rank 0's whole decode step in loopback, measured as ONE captured graph: the launch
     plan's launches (embed, every layer, tail; not nextn) in plan order, each kind's launches built as the
@@ -390,8 +400,10 @@ def time_model(args, dry: bool, bw: float, card: dict) -> list[dict]:
     (the commit graph is not replayed, so every replay is the same step: the state does not move), beside the sum
     of its launches' floors (layer_bytes over the launch plan), once per batch size B in `--rows` (e.g. 1,2,4,8:
     one runner built with those widths and max(B) slots, one graph per B, one record per B). The slots are
-    prefilled with `--pos` tokens through decode steps (no reference model on the GPU). With --dry-run: the tiny
-    preset on the CPU, one step per B run through the same step program, untimed."""
+    prefilled with `--pos` tokens through decode steps (no reference model on the GPU). Timed in the same windows:
+    each kind's launches of the step as one graph of their own (`per_kind_us` per launch, `sum_us` their sum: the
+    step kind by kind). With --dry-run: the tiny preset on the CPU, one step per B run through the same step
+    program, untimed."""
     import layer_bytes as lbytes
 
     from glm53_flash.model_runner import ModelRunner
@@ -418,33 +430,53 @@ def time_model(args, dry: bool, bw: float, card: dict) -> list[dict]:
         rec = dict(card, title="time_layers --kind model" + (" --dry-run" if dry else ""), preset=name, rows=R,
                    pos=int(pos.max()), launches=len(plan), floor_bytes=floor_bytes,
                    floor_us=round(floor_bytes / bw * 1e6, 2), logits_finite=bool(torch.isfinite(logits).all()))
+        prog = runner.programs[R]
+        groups = kind_groups(plan, prog.launches)
+        rec["counts"] = {k: len(v) for k, v in groups.items()}
         if not dry:
-            prog = runner.programs[R]
             prog.ids.copy_(ids.to(prog.ids.device))
             prog.pos.copy_((pos + 1).to(prog.pos.device))           # the next step of every slot, replayed
             prog.slots.copy_(sl.to(prog.slots.device))
-            for _ in range(3):
-                prog.g_step.replay()
+            # beside the step graph, the same launches kind by kind: one graph per kind of its launches in plan
+            # order (each on its own layer's weights and the step's bound inputs), in the same windows; their sum
+            # is the step without what the chained graph adds or saves at launch boundaries
+            graphs = {"step": prog.g_step}
+            for k, Ls in groups.items():
+                for L in Ls:                                          # warm outside the capture
+                    L.enqueue()
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for L in Ls:
+                        L.enqueue()
+                graphs[k] = g
+            for g in graphs.values():
+                for _ in range(3):
+                    g.replay()
             torch.cuda.synchronize()
-            times = []
-            for _ in range(args.windows):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(args.reps):
-                    prog.g_step.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3 / args.reps)
+            times = {n: [] for n in graphs}
+            for w in range(args.windows):
+                order = list(graphs)[w % len(graphs):] + list(graphs)[:w % len(graphs)]   # rotate who goes first
+                for n in order:
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    for _ in range(args.reps):
+                        graphs[n].replay()
+                    b.record()
+                    b.synchronize()
+                    times[n].append(a.elapsed_time(b) * 1e3 / args.reps)
             for L in prog.launches:                                 # every timed launch was clean
                 L.check()
-            times.sort()
-            rec["us"] = round(times[len(times) // 2], 2)
+            med = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+            rec["us"] = round(med["step"], 2)
             rec["pct_floor"] = round(100 * rec["floor_us"] / rec["us"], 1)
+            rec["per_kind_us"] = {k: round(med[k] / len(groups[k]), 2) for k in groups}   # per launch
+            rec["sum_us"] = round(sum(med[k] for k in groups), 2)
         print(f"== {rec['title']}: {name} {args.weights}, TP 1, {R} rows at position {rec['pos']}, {len(plan)} "
               f"launches")
         print(f"   floor {rec['floor_us']:.1f} us ({floor_bytes / 1e9:.3f} GB at {bw / 1e12:.2f} TB/s)"
-              + (f", step graph {rec['us']:.1f} us ({rec['pct_floor']:.1f}% of floor)" if "us" in rec else
-                 ", untimed"))
+              + (f", step graph {rec['us']:.1f} us ({rec['pct_floor']:.1f}% of floor), its launches kind by kind "
+                 f"{rec['sum_us']:.1f} us" if "us" in rec else ", untimed"))
         print(json.dumps(rec, default=str))
         recs.append(rec)
     if not dry:

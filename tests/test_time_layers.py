@@ -223,6 +223,7 @@ def test_dry_run_model_kind():
     for r in recs:
         B = r["rows"]
         assert r["launches"] == len(plan) and r["logits_finite"] and "us" not in r          # untimed
+        assert r["counts"] == {k: plan.count(k) for k in sorted(set(plan), key=plan.index)}
         assert r["pos"] == (2 if B == 1 else 3)       # slot 0 took B = 1's checked step before B = 2's
         assert r["floor_bytes"] == sum(sum(lbytes.launch_bytes(k, cfg, 1, B, "bf16", pos=r["pos"]).values())
                                        for k in plan)
