@@ -311,6 +311,15 @@ KINDS = {"gemv": build_gemv, "tail": build_tail, "embed": None, "dense": None, "
          "nextn": None, "step": None, "model": None}
 
 
+def _print_model(rec: dict, what: str, bw: float, sum_label: str) -> None:
+    """A --kind model record's two lines, then its JSON line."""
+    print(f"== {rec['title']}: {what}, {rec['launches']} launches")
+    print(f"   floor {rec['floor_us']:.1f} us ({rec['floor_bytes'] / 1e9:.3f} GB at {bw / 1e12:.2f} TB/s)"
+          + (f", step graph {rec['us']:.1f} us ({rec['pct_floor']:.1f}% of floor), {sum_label} {rec['sum_us']:.1f} us"
+             if "us" in rec else ", untimed"))
+    print(json.dumps(rec, default=str))
+
+
 def kind_groups(plan: list[str], launches: list) -> dict[str, list]:
     """{kind: its launches in plan order} for a step program's launches (plan: their kinds, one each)."""
     if len(plan) != len(launches):
@@ -381,12 +390,8 @@ def time_model_rank(args, dry: bool, bw: float, card: dict) -> list[dict]:
             rec["per_kind_us"] = {k: round(us[cases[k].name], 2) for k in kinds}
             rec["sum_us"] = round(sum(plan.count(k) * us[cases[k].name] for k in kinds), 2)
             rec["pct_floor"] = round(100 * rec["floor_us"] / rec["us"], 1)
-        print(f"== {rec['title']}: {pname} {args.weights}, TP {args.tp} rank 0 (loopback), {R} rows at position "
-              f"{args.pos}, {len(plan)} launches")
-        print(f"   floor {rec['floor_us']:.1f} us ({floor_bytes / 1e9:.3f} GB at {bw / 1e12:.2f} TB/s)"
-              + (f", step graph {rec['us']:.1f} us ({rec['pct_floor']:.1f}% of floor), sum of the launches timed "
-                 f"alone {rec['sum_us']:.1f} us" if "us" in rec else ", untimed"))
-        print(json.dumps(rec, default=str))
+        _print_model(rec, f"{pname} {args.weights}, TP {args.tp} rank 0 (loopback), {R} rows at position {args.pos}",
+                     bw, "sum of the launches timed alone")
         recs.append(rec)
         del cases, step_case, checks
         gc.collect()
@@ -472,12 +477,8 @@ def time_model(args, dry: bool, bw: float, card: dict) -> list[dict]:
             rec["pct_floor"] = round(100 * rec["floor_us"] / rec["us"], 1)
             rec["per_kind_us"] = {k: round(med[k] / len(groups[k]), 2) for k in groups}   # per launch
             rec["sum_us"] = round(sum(med[k] for k in groups), 2)
-        print(f"== {rec['title']}: {name} {args.weights}, TP 1, {R} rows at position {rec['pos']}, {len(plan)} "
-              f"launches")
-        print(f"   floor {rec['floor_us']:.1f} us ({floor_bytes / 1e9:.3f} GB at {bw / 1e12:.2f} TB/s)"
-              + (f", step graph {rec['us']:.1f} us ({rec['pct_floor']:.1f}% of floor), its launches kind by kind "
-                 f"{rec['sum_us']:.1f} us" if "us" in rec else ", untimed"))
-        print(json.dumps(rec, default=str))
+        _print_model(rec, f"{name} {args.weights}, TP 1, {R} rows at position {rec['pos']}", bw,
+                     "its launches kind by kind")
         recs.append(rec)
     if not dry:
         del runner

@@ -343,6 +343,27 @@ def _pick3(t, a0, a1, a2):
 
 
 @triton.jit
+def _merged_step(s, a0, a1, a2, e0, e1, e2, w_d, s_d, act_e_row, n0, j0, SB, H, I: tl.constexpr,
+                 ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NS: tl.constexpr,
+                 CK: tl.constexpr):
+    """K step s of _routed_down_merged (expert t = s // NS of the group) into its accumulator -> (a0, a1, a2)."""
+    t = s // NS
+    e = _pick3(t, e0, e1, e2)
+    wd = w_d + e * H * I
+    if w_d.dtype.element_ty == tl.float8e4nv:
+        sd = s_d + e * SB
+    else:
+        sd = wd
+    x = act_e_row + (j0 + t) * I
+    cur = _pick3(t, a0, a1, a2)
+    for c in tl.static_range(BLOCK_K // CK):
+        k = (s % NS) * BLOCK_K + c * CK
+        w = _load_w(wd, n0, k, I, H, I, BLOCK_N, CK)
+        cur = _chunk(cur, w, sd, x, 0, 1, n0, k, I, H, I, ROWS_PAD, CK)
+    return tl.where(t == 0, cur, a0), tl.where(t == 1, cur, a1), tl.where(t == 2, cur, a2)
+
+
+@triton.jit
 def _routed_down_merged(ids_row, rw_row, act_e_row, w_d, s_d, n0, j0, nr, E, H, I: tl.constexpr,
                         ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         NUM_STAGES: tl.constexpr, G: tl.constexpr, K: tl.constexpr):
@@ -371,41 +392,13 @@ def _routed_down_merged(ids_row, rw_row, act_e_row, w_d, s_d, n0, j0, nr, E, H, 
     if _interpreting():
         s = 0
         while s < n_steps:
-            t = s // NS
-            e = _pick3(t, e0, e1, e2)
-            wd = w_d + e * H * I
-            if w_d.dtype.element_ty == tl.float8e4nv:
-                sd = s_d + e * SB
-            else:
-                sd = wd
-            x = act_e_row + (j0 + t) * I
-            cur = _pick3(t, a0, a1, a2)
-            for c in tl.static_range(BLOCK_K // CK):
-                k = (s % NS) * BLOCK_K + c * CK
-                w = _load_w(wd, n0, k, I, H, I, BLOCK_N, CK)
-                cur = _chunk(cur, w, sd, x, 0, 1, n0, k, I, H, I, ROWS_PAD, CK)
-            a0 = tl.where(t == 0, cur, a0)
-            a1 = tl.where(t == 1, cur, a1)
-            a2 = tl.where(t == 2, cur, a2)
+            a0, a1, a2 = _merged_step(s, a0, a1, a2, e0, e1, e2, w_d, s_d, act_e_row, n0, j0, SB, H, I, ROWS_PAD,
+                                      BLOCK_N, BLOCK_K, NS, CK)
             s += 1
     else:
         for s in tl.range(0, n_steps, 1, num_stages=NUM_STAGES):
-            t = s // NS
-            e = _pick3(t, e0, e1, e2)
-            wd = w_d + e * H * I
-            if w_d.dtype.element_ty == tl.float8e4nv:
-                sd = s_d + e * SB
-            else:
-                sd = wd
-            x = act_e_row + (j0 + t) * I
-            cur = _pick3(t, a0, a1, a2)
-            for c in tl.static_range(BLOCK_K // CK):
-                k = (s % NS) * BLOCK_K + c * CK
-                w = _load_w(wd, n0, k, I, H, I, BLOCK_N, CK)
-                cur = _chunk(cur, w, sd, x, 0, 1, n0, k, I, H, I, ROWS_PAD, CK)
-            a0 = tl.where(t == 0, cur, a0)
-            a1 = tl.where(t == 1, cur, a1)
-            a2 = tl.where(t == 2, cur, a2)
+            a0, a1, a2 = _merged_step(s, a0, a1, a2, e0, e1, e2, w_d, s_d, act_e_row, n0, j0, SB, H, I, ROWS_PAD,
+                                      BLOCK_N, BLOCK_K, NS, CK)
     y = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
     if nr > 0:
         y = y + a0 * w0
