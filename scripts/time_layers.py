@@ -617,7 +617,8 @@ def main(argv=None) -> int:
         print("--dry-run covers the launch kinds, not gemv", file=sys.stderr)
         return 2
     from glm53_flash.config import preset
-    cfg = preset(args.preset or ("tiny" if dry else "glm53-flash-e80" if args.kind == "model" and args.tp == 1 else "glm53-flash"))
+    model_tp1 = args.kind == "model" and args.tp == 1           # ModelRunner's default: the 80-expert preset
+    cfg = preset(args.preset or ("tiny" if dry else "glm53-flash-e80" if model_tp1 else "glm53-flash"))
     if args.experts:
         cfg = cfg.replace(n_routed_experts=args.experts)
     if args.pos is None:

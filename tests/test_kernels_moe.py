@@ -4,18 +4,21 @@ swiglu_clamped): expert ids equal, routing weights, activations and the FFN outp
 for bf16 and FP8 packed expert banks, 1 and 4 rows, the tiny config (8 experts, top-2) and a mid one
 (16 experts, top-8, H 512); NaN / -1 poisoned outputs (every element written); router ties go to the
 lower expert index (also across expert tiles and K parts); the SwiGLU clamp binding; bitwise
-determinism and batch invariance. Last, the register budget of both FFN families (mlp and moe),
-compiled offline for sm_90 with Triton's bundled ptxas: no GPU needed.
+determinism and batch invariance; moe_down_group's merged routed loop bitwise equal to one loop per expert.
+Last, the register budget of both FFN families (mlp and moe), compiled offline for sm_90 with Triton's bundled
+ptxas: no GPU needed.
 
 CPU: TRITON_INTERPRET=1, tiny shapes. GPU (`gpu` marker): 288 experts, top-8, H 4096, inter 2048.
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from glm53_flash.config import preset
 from glm53_flash.fp8 import dequantize_fp8, quantize_fp8
 from glm53_flash.kernels.gemv import default_config
-from glm53_flash.kernels.moe import moe_forward, pack_experts
+from glm53_flash.kernels.moe import moe_down_group, moe_forward, pack_experts
 from glm53_flash.reference import ops
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -326,10 +329,6 @@ def test_offline_sm90_registers():
 
 
 # ---------------------------------------------------------------------------- the merged down loop
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from glm53_flash.kernels.moe import moe_down_group  # noqa: E402
 
 
 @triton.jit
