@@ -86,7 +86,9 @@ def _wait_box(scratch, meta, b, pid, tag, hdr, timeout_ns):
 # signal (consumers read only after the signal); or, where an address or a store would depend on the awaited data,
 # the body takes a live flag that masks those loads / stores off in the dry run. The families that do: kda, kda_norm,
 # the gate rows, the route, post1's hc_post, and the DSA families score, hist, select (its stores masked off),
-# attend (its latent gathers masked off) and join (launches/sparse_layer.py).
+# attend (its latent gathers masked off) and join (launches/sparse_layer.py). Worth it only where the dry run reads
+# little or nothing on the critical path streams during its wait: the router's (144 tasks x 32 KB while in_proj and
+# o_proj stream) and moe_down's (during the experts) cost 2-7 us a launch (bench/RESULTS.md steps 38, 40).
 WARM_CODE: tl.constexpr = tl.constexpr(os.environ.get("GLM53_WARM_CODE", "1") != "0")
 
 
