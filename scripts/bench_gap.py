@@ -33,7 +33,7 @@ def cta_rows(L):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kind", choices=("embed", "dense", "kda", "sparse", "nextn"), required=True)
+    ap.add_argument("--kind", choices=("embed", "dense", "kda", "sparse", "nextn", "tail"), required=True)
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16")

@@ -5,6 +5,7 @@ stall of the single persistent launch (ordering between CTAs) from one of the co
 
   python scripts/diag_layers.py --kind nextn --tp 1 --rows 1 --pos 640          (GPU)
   python scripts/diag_layers.py --kind dense --tp 8 --trace                      (GPU: where the time goes)
+  python scripts/diag_layers.py --kind tail --tp 8 --trace                       (the tail launch too)
   python scripts/diag_layers.py --kind sparse --tp 2 --rows 2 --preset tiny --pos 27 \\
          --inject-fault sparse.xd                                                 (CPU, interpreter)
 """
@@ -30,8 +31,18 @@ def build(kind, cfg, tp, rows, fmt, pos, device, grid=None):
     from glm53_flash.launches.kda import KdaLaunch
     from glm53_flash.launches.nextn import NextnLaunch
     from glm53_flash.launches.sparse import SparseLaunch
-    src = rank_source.RankSource(cfg, 0, tp, fmt, device, seed=0)
     g = torch.Generator(device=device).manual_seed(3)
+    if kind == "tail":            # lm_head over this rank's vocabulary shard (TP > 1: loopback), random weights
+        from glm53_flash.fp8 import quantize_fp8
+        from glm53_flash.launches.tail import TailLaunch
+        H, V = cfg.hidden_size, cfg.vocab_size // tp
+        w = (torch.randn(V, H, device=device, generator=g) * H ** -0.5).bfloat16()
+        w, s = quantize_fp8(w) if fmt == "fp8" else (w, None)
+        norm_w = (1 + 0.1 * torch.randn(H, device=device, generator=g)).bfloat16()
+        L = TailLaunch(cfg, w, norm_w, s, tp_rank=0, tp_size=tp, width=rows, device=device, grid=grid)
+        X = torch.randn(rows, cfg.hc_mult, H, device=device, generator=g)
+        return L, lambda f=None: L.run(X, inject_fault=f)
+    src = rank_source.RankSource(cfg, 0, tp, fmt, device, seed=0)
     if kind in ("embed", "dense", "kda"):
         cls = {"embed": EmbedLaunch, "dense": DenseLaunch, "kda": KdaLaunch}[kind]
         L = cls(cfg, src, layer_bytes.layer_of(cfg, kind), tp_rank=0, tp_size=tp, width=rows, device=device, grid=grid)
@@ -61,7 +72,7 @@ def build(kind, cfg, tp, rows, fmt, pos, device, grid=None):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--kind", choices=("embed", "dense", "kda", "sparse", "nextn"), required=True)
+    ap.add_argument("--kind", choices=("embed", "dense", "kda", "sparse", "nextn", "tail"), required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16")
@@ -108,12 +119,13 @@ def main(argv=None) -> int:
             else:
                 run(args.inject_fault)
             print(f"-- {label}: no stall ({(time.perf_counter() - t0) * 1e3:.1f} ms wall, compiles included)")
-            rec = L.record()
-            print("   boxes:", box_summary(L, rec.last_tag))
+            if hasattr(L, "META_LAYOUT"):                  # the layer kinds' boxes (the tail has none)
+                print("   boxes:", box_summary(L, L.record().last_tag))
         except HandoffTimeout as e:
             print(f"-- {label}: {e}")
             print(explain(L))
-            print("   boxes (consumer 0):", box_summary(L, L.record().wanted))
+            if hasattr(L, "META_LAYOUT"):
+                print("   boxes (consumer 0):", box_summary(L, L.record().wanted))
         if device == "cuda":
             torch.cuda.synchronize()
     if args.trace:

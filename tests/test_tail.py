@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from glm53_flash.config import ConfigError
 from glm53_flash.fp8 import dequantize_fp8, quantize_fp8
 from glm53_flash.launches import available, sites
+from glm53_flash.kernels.sample import reduce_candidates
 from glm53_flash.launches.tail import TailLaunch, new_xchg, run_tp
 from glm53_flash.reference.ops import tail_logits
 from sync import HandoffTimeout
@@ -223,11 +226,11 @@ from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from glm53_flash.launches.tail import tail_kernel as k
 P = dict(table="*i32", starts="*i32", X="*fp32", norm_w="*bf16", logits="*fp32", tokens="*i32", best="*i32",
-         scratch="*i32", xchg="*i64", peer_src="*i32", eps="fp32", timeout_ns="i64")
+         scratch="*i32", xchg="*i64", peer_src="*i32", trace="*i64", eps="fp32", timeout_ns="i64")
 out = {}
 for fp8 in (False, True):
-    C = dict(H=4096, CH=512, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=4, LOCAL_NORM=False, SLOTS=64,
-             L2_LINES=2 if fp8 else 4, EPL=128 if fp8 else 64, XPF=True, ROW16=True, XR=4)
+    C = dict(H=4096, CH=512, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=4, LOCAL_NORM=False, SLOTS=1024,
+             L2_LINES=2 if fp8 else 4, EPL=128 if fp8 else 64, XPF=True, ROW16=True, XR=4, RP=1, TRACE=False)
     sig = {n: ("constexpr" if n in C else P.get(n, "i32")) for n in k.arg_names}
     sig["W"], sig["S"] = ("*fp8e4nv", "*fp32") if fp8 else ("*bf16", "*bf16")
     ck = triton.compile(ASTSource(fn=k, signature=sig, constexprs=C), target=GPUTarget("cuda", 90, 32),
@@ -260,3 +263,64 @@ def test_sm90_registers_offline():
     for line in out.stdout.strip().splitlines():
         r = json.loads(line)
         assert r["regs"] <= 112 and r["spill"] == 0, r
+
+
+@triton.jit
+def _reduce_probe(slots, n_slots, rows, hdr, out, SLOTS: tl.constexpr, RP: tl.constexpr):
+    bv, bi, ok = reduce_candidates(slots, n_slots, rows, 5, hdr, 0, 0, 1000000, SLOTS, RP)
+    r = tl.arange(0, 8)
+    tl.store(out + r, bv.to(tl.int32, bitcast=True))
+    tl.store(out + 8 + r, bi)
+    tl.store(out + 16, ok)
+
+
+@pytest.mark.parametrize("rows, slots_per_step, rp", [(1, 4, 1), (2, 4, 2), (3, 2, 4), (8, 2, 8)])
+def test_reduce_steps_and_row_pad_pick_the_same(gen, rows, slots_per_step, rp):
+    """reduce_candidates over 11 slots in steps of SLOTS slots x RP rows (the tail's 1-row build awaits 1024
+    slots a step, its 8-row build 64): the larger value, then the lower index, whatever the steps; ties planted
+    across steps and inside one; rows >= RP come back as the empty candidate."""
+    n = 11
+    v = torch.randn(n, 8, generator=gen)
+    ix = torch.randperm(1000, generator=gen)[: n * 8].view(n, 8).int() + 7
+    v[2, 0] = v[9, 0] = v[5, 0] = 10.0                       # a three-way tie in row 0, slots in different steps
+    ix[2, 0], ix[9, 0], ix[5, 0] = 40, 30, 35
+    if rows > 1:
+        v[6, 1] = v[7, 1] = 11.0                             # inside one step (slots 6, 7)
+        ix[6, 1], ix[7, 1] = 900, 800
+    words = torch.zeros(n, 16, dtype=torch.int64)
+    tag = 5
+    words[:, :8] = (v.view(torch.int32).long() << 32) | tag
+    words[:, 8:] = (ix.long() << 32) | tag
+    hdr = torch.zeros(256, dtype=torch.int32)
+    out = torch.full((17,), -1, dtype=torch.int32)
+    _reduce_probe[(1,)](words.view(-1), n, rows, hdr, out, SLOTS=slots_per_step, RP=rp)
+    got_v, got_i = out[:8].view(torch.float32), out[8:16]
+    assert out[16].item() == 1
+    for r in range(8):
+        if r < min(rows, rp):
+            best = v[:, r].max()
+            want = ix[:, r][v[:, r] == best].min()
+            assert got_v[r].item() == best.item() and got_i[r].item() == want.item(), r
+        else:
+            assert got_v[r].item() == float("-inf") and got_i[r].item() == 2147483647, r
+    assert got_i[0].item() == 30
+
+
+def test_tail_trace_every_task_same_bits(tiny_cfg, gen):
+    """A traced tail launch (TRACE build; diag_layers / bench_gap --kind tail) gives the same bits and a
+    (start, end) row for every task and CTA; the report names every stage."""
+    from glm53_flash.launches.trace import read, report
+    W, _, _, nw = _weights(tiny_cfg, gen)
+    X = torch.randn(2, 4, tiny_cfg.hidden_size, generator=gen)
+    L = TailLaunch(tiny_cfg, W[: tiny_cfg.vocab_size // 2], nw, tp_rank=0, tp_size=2, width=2)
+    plain = [t.clone() for t in L.run(X)]
+    L.enable_trace()
+    traced = L.run(X)
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced))
+    tb = L.trace_buf
+    assert bool((tb[:, :4] >= 0).all()) and bool((tb[:, 0] <= tb[:, 1]).all())
+    times, ctas = read(L)
+    assert sorted(t.task for t in times) == list(range(len(L.schedule.tasks))) and len(ctas) == L.grid
+    text = report(L)
+    assert all(n in text for n in L.schedule.stage_names) and "critical path" in text
+    L.enable_trace(False)

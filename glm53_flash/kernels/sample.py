@@ -81,28 +81,37 @@ def _await_two(pv, pi, mask, tag, hdr, site, cta, budget_ns):
 
 
 @triton.jit
-def reduce_candidates(base_ptr, n_slots, rows, tag, hdr, site, cta, budget_ns, SLOTS: tl.constexpr):
+def reduce_candidates(base_ptr, n_slots, rows, tag, hdr, site, cta, budget_ns, SLOTS: tl.constexpr,
+                      RP: tl.constexpr = ROWS_PAD):
     """Wait for slots 0..n_slots-1 (int64 base pointer) and reduce them in slot order.
 
-    -> (value [ROWS_PAD], index [ROWS_PAD], ok). SLOTS slots are awaited per step, values and indices in
-    one poll: each step costs an L2 round trip, and this runs in one CTA after its GEMVs, so the step
-    count (n_slots / SLOTS) sits on the launch's critical path (SLOTS=16 and two polls per step took
-    66 round trips at 528 slots)."""
-    bv, bi = empty_candidate()
+    -> (value [ROWS_PAD], index [ROWS_PAD], ok). SLOTS slots are awaited per step, rows 0..RP-1 of each (RP: a
+    power of two >= the rows a launch is built for), values and indices in one poll: each step costs an L2
+    round trip, and this runs in one CTA after its GEMVs, so the step count (n_slots / SLOTS) sits on the
+    launch's critical path (SLOTS=16 and two polls per step took 66 round trips at 528 slots; SLOTS x RP
+    words is the poll's register cost, so a 1-row build awaits 8x the slots of an 8-row one per step).
+    The pick (larger value, then lower index) is a total order: how the slots are grouped into steps does
+    not change the result."""
+    bv, bi = tl.full([RP], float("-inf"), tl.float32), tl.full([RP], INT_MAX, tl.int32)
     ok = 1
-    offs = tl.arange(0, SLOTS * ROWS_PAD)
+    offs = tl.arange(0, SLOTS * RP)
     s0 = 0
     while (s0 < n_slots) & (ok != 0):
-        s = s0 + offs // ROWS_PAD
-        r = offs % ROWS_PAD
+        s = s0 + offs // RP
+        r = offs % RP
         m = (s < n_slots) & (r < rows)
         p = base_ptr + s * SLOT_WORDS + r
         vb, ib, ok = _await_two(p, p + ROWS_PAD, m, tag, hdr, site, cta, budget_ns)
         if ok != 0:
-            v2 = tl.reshape(tl.where(m, vb.to(tl.float32, bitcast=True), float("-inf")), (SLOTS, ROWS_PAD))
-            i2 = tl.reshape(tl.where(m, ib, INT_MAX), (SLOTS, ROWS_PAD))
+            v2 = tl.reshape(tl.where(m, vb.to(tl.float32, bitcast=True), float("-inf")), (SLOTS, RP))
+            i2 = tl.reshape(tl.where(m, ib, INT_MAX), (SLOTS, RP))
             cv = tl.max(v2, axis=0)
             ci = tl.min(tl.where(v2 == cv[None, :], i2, INT_MAX), axis=0)
             bv, bi = argmax_merge(bv, bi, cv, ci)
         s0 += SLOTS
-    return bv, bi, ok
+    if RP == ROWS_PAD:
+        return bv, bi, ok
+    else:                                       # rows RP .. ROWS_PAD - 1 as an empty candidate's
+        eq = tl.arange(0, RP)[:, None] == tl.arange(0, ROWS_PAD)[None, :]
+        return (tl.max(tl.where(eq, bv[:, None], float("-inf")), axis=0),
+                tl.min(tl.where(eq, bi[:, None], INT_MAX), axis=0), ok)

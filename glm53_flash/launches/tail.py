@@ -10,7 +10,7 @@ Stages (schedule.py places them; sync/ hands off between them):
              (prefetch.global.L2) before it waits on `xn`, then streams its tiles (kernels/gemv.py),
              stores logits and publishes its per-row candidate (value, index) as tagged pairs (`cand`).
   2 reduce   CTA 0 awaits every candidate slot and reduces them in slot order (ties -> lower index),
-             64 slots (values and indices together) per L2 round trip.
+             reduce_slots(width) slots (values and indices together) per L2 round trip: 1024 at 1 row.
              TP 1: writes the tokens. TP > 1: publishes the rank's candidate to every rank's `xchg`
              slot; in loopback mode (one GPU) peer tasks publish the other ranks' candidates locally.
   3 final    (TP > 1) CTA 0 awaits the `xchg` slots of all ranks and reduces them in rank order.
@@ -41,7 +41,7 @@ import triton.language as tl
 
 from layout import Planner
 from sync.asm import in_interpreter
-from sync.device import launch_begin, launch_end, signal_box, wait_box
+from sync.device import launch_begin, launch_end, signal_box, trace_clock, trace_cycles, trace_store, wait_box
 
 from ..config import GlmConfig
 from ..fp8 import scale_grid
@@ -60,7 +60,6 @@ ROWS_H = 8                           # widest build = rows of a candidate slot (
 ROWS: tl.constexpr = tl.constexpr(ROWS_H)
 SLOT = 2 * ROWS_H                     # int64 pairs per candidate slot (kernels/sample.py)
 NORM_CH = 512                        # norm chunk (elements); H must be a multiple of gcd(NORM_CH, H)
-REDUCE_SLOTS = 64                    # candidate slots per reduce step (one L2 round trip each)
 DEFAULT_CTAS_PER_SM = 4              # grid=None cap on the GPU (see _fit_grid)
 DEFAULT_MAXNREG = 112                # ptxas cap, widths <= 4 (-1 = this default; None = ptxas's choice)
 
@@ -135,9 +134,9 @@ def _wait_xn(box, pid, box_words, n_norm, tag, hdr, site_xn, timeout_ns):
 
 @triton.jit(noinline=True)
 def _reduce_task(cand, n_slots, rows, tag, hdr, site_cand, site_xchg, fault_site, pid, timeout_ns, best, tokens,
-                 xchg, tp_rank, tp_size, SLOTS: tl.constexpr):
+                 xchg, tp_rank, tp_size, SLOTS: tl.constexpr, RP: tl.constexpr):
     rr = tl.arange(0, ROWS_PAD)
-    bv, bi, ok = reduce_candidates(cand, n_slots, rows, tag, hdr, site_cand, pid, timeout_ns, SLOTS)
+    bv, bi, ok = reduce_candidates(cand, n_slots, rows, tag, hdr, site_cand, pid, timeout_ns, SLOTS, RP)
     if ok != 0:
         tl.store(best + rr, bv.to(tl.int32, bitcast=True), mask=rr < rows)
         tl.store(best + ROWS_PAD + rr, bi, mask=rr < rows)
@@ -173,7 +172,7 @@ def _final_task(xchg, tokens, rows, tag, hdr, tp_rank, tp_size, site_xchg, pid, 
 @triton.jit(do_not_specialize=["rows", "vocab_off", "tp_rank", "tp_size", "stage_lo", "stage_hi", "bump",
                                "tag_stride", "tag_offset", "fault_site", "timeout_ns", "site_xn", "site_cand",
                                "site_xchg", "n_slots", "n_norm"])
-def tail_kernel(table, starts, X, norm_w, W, S, logits, tokens, best, scratch, xchg, peer_src,
+def tail_kernel(table, starts, X, norm_w, W, S, logits, tokens, best, scratch, xchg, peer_src, trace,
                 o_hdr, o_xn, o_box, o_cand, xn_cta_stride, box_words,
                 rows, V_rank, vocab_off, tp_rank, tp_size, n_norm, n_slots, eps,
                 stage_lo, stage_hi, bump, tag_stride, tag_offset, fault_site, timeout_ns,
@@ -181,9 +180,12 @@ def tail_kernel(table, starts, X, norm_w, W, S, logits, tokens, best, scratch, x
                 H: tl.constexpr, CH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, LOCAL_NORM: tl.constexpr, SLOTS: tl.constexpr,
                 L2_LINES: tl.constexpr, EPL: tl.constexpr, XPF: tl.constexpr, ROW16: tl.constexpr,
-                XR: tl.constexpr):
+                XR: tl.constexpr, RP: tl.constexpr, TRACE: tl.constexpr):
     pid = tl.program_id(0)
     hdr = scratch + o_hdr
+    if TRACE:                                                        # launches/trace.py (Launch.enable_trace)
+        t_cta = trace_clock(pid)
+        c_cta = trace_cycles(pid)
     s64 = scratch.to(tl.pointer_type(tl.int64), bitcast=True)
     cand = s64 + o_cand                                              # [n_slots, SLOT_WORDS] pairs
     xn = scratch.to(tl.pointer_type(tl.bfloat16), bitcast=True) + o_xn  # [2, ROWS, H] bf16 (local: per CTA)
@@ -203,6 +205,9 @@ def tail_kernel(table, starts, X, norm_w, W, S, logits, tokens, best, scratch, x
         a1 = tl.load(table + i * 8 + 3)
         a2 = tl.load(table + i * 8 + 4)
         if (st >= stage_lo) & (st < stage_hi):
+            if TRACE:
+                t_task = trace_clock(i)
+                c_task = trace_cycles(i)
             if fam == 0:                                             # norm (box mode): row a0
                 _norm_task(X, norm_w, xn, a0, rows, eps, box, box_words, tag, site_xn, fault_site, H, CH, XR)
             elif fam == 1:                                           # norm_local: every row, own slot
@@ -240,13 +245,30 @@ def tail_kernel(table, starts, X, norm_w, W, S, logits, tokens, best, scratch, x
                     publish_candidate(cand + a2 * SLOT_WORDS, bv, bi, rows, tag, site_cand, fault_site)
             elif fam == 3:                                           # reduce: all slots, in slot order
                 ok = _reduce_task(cand, n_slots, rows, tag, hdr, site_cand, site_xchg, fault_site, pid, timeout_ns,
-                                  best, tokens, xchg, tp_rank, tp_size, SLOTS)
+                                  best, tokens, xchg, tp_rank, tp_size, SLOTS, RP)
             elif fam == 4:                                           # peer (loopback): rank a0's candidate
                 _peer_task(peer_src, xchg, a0, rows, tag, tp_rank, tp_size, site_xchg, fault_site)
             elif fam == 5:                                           # final: ranks in rank order
                 ok = _final_task(xchg, tokens, rows, tag, hdr, tp_rank, tp_size, site_xchg, pid, timeout_ns)
+            if TRACE:
+                trace_store(trace, i, t_task, c_task, hdr, pid, i)
         i += 1
+    if TRACE:                                                        # this CTA's whole run: row n_tasks + pid
+        trace_store(trace, tl.load(starts + tl.num_programs(0)) + pid, t_cta, c_cta, hdr, pid, pid)
     launch_end(hdr, bump)
+
+
+def reduce_rows(width: int) -> int:
+    """Rows the candidate reduce reads per slot: the power of two >= width (kernels/sample.py reduce_candidates)."""
+    return 1 << (max(1, width) - 1).bit_length()
+
+
+def reduce_slots(width: int) -> int:
+    """Candidate slots the reduce awaits per step (one L2 round trip each): 512 slot rows (1024 at 1 row) a step,
+    what the 112-register build holds without spilling (scripts/regs_offline.py: 1024 at 2 or 4 rows spills
+    64-88 B). At TP8's 528 CTAs: 1 step at 1 row, 3 at 2, 5 at 4, 9 at 8 (was 9 at every width)."""
+    rp = reduce_rows(width)
+    return (1024 if rp == 1 else 512) // rp
 
 
 def _task_rows(v_rank: int, n_tasks: int, gran: int = 16) -> list[tuple[int, int]]:
@@ -401,7 +423,7 @@ class TailLaunch(Launch):
         xchg = self.xchg if self.xchg is not None else self.scratch
         sched = self.schedule
         args = (self.table, self.starts, self.X, self.norm_w, self.W, self.S, self.logits, self.tokens, self.best,
-                self.scratch, xchg, self.peer_src,
+                self.scratch, xchg, self.peer_src, self.trace_args()[0],
                 L["hdr"].elem_offset(), L["xn"].elem_offset(), box_off, L["cand"].elem_offset(),
                 2 * self.xr * self.H, box_words,
                 self.rows, self.V_rank, self.vocab_off, self.tp_rank, self.tp_size, self.width, self.n_slots,
@@ -410,7 +432,9 @@ class TailLaunch(Launch):
                 sched.site_id("xn"), sched.site_id("cand"), sched.site_id("xchg"))
         esize = 1 if self.fp8 else 2
         const = dict(H=self.H, CH=math.gcd(NORM_CH, self.H), BLOCK_N=self.block_n, BLOCK_K=self.block_k, PF_K=128,
-                     NUM_STAGES=self.num_stages, LOCAL_NORM=self.norm_mode == "local", SLOTS=REDUCE_SLOTS,
+                     NUM_STAGES=self.num_stages, LOCAL_NORM=self.norm_mode == "local",
+                     SLOTS=reduce_slots(self.width), RP=reduce_rows(self.width),
+                     TRACE=self.trace_args()[1],
                      L2_LINES=max(1, self.l2_prefetch_k * esize // 128), EPL=128 // esize, XPF=self.xpf,
                      ROW16=self.V_rank % 16 == 0, XR=self.xr)
         if self.maxnreg:
