@@ -124,14 +124,14 @@ def dsa_spec(kind: str, tp: int, fp8: bool, warps: int = 4, block_t: int | None 
 # as multiples of 16 (offsets and sizes at the real shapes)
 TAIL_TYPES = dict(table="*i32", starts="*i32", X="*fp32", norm_w="*bf16", logits="*fp32", tokens="*i32", best="*i32",
                   scratch="*i32", xchg="*i64", peer_src="*i32", trace="*i64", eps="fp32", timeout_ns="i64")
-TAIL_DIV16 = ("o_hdr", "o_xn", "o_box", "o_cand", "xn_cta_stride", "box_words", "V_rank")
+TAIL_DIV16 = ("o_hdr", "o_xn", "o_box", "o_cand", "o_ssq", "xn_cta_stride", "box_words", "V_rank")
 
 
 def tail_consts(fp8: bool, width: int, **over) -> dict:
     """tail_kernel's constexprs as TailLaunch.kernel_args gives them at H 4096 (overridden by `over`)."""
     from .launches.tail import reduce_rows, reduce_slots
     from .launches.tail import tail_kernel as k
-    C = dict(H=4096, CH=512, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=4, LOCAL_NORM=False,
+    C = dict(H=4096, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=4, LOCAL_NORM=False,
              SLOTS=reduce_slots(width), L2_LINES=2 if fp8 else 4, EPL=128 if fp8 else 64, XPF=False,
              ROW16=True, XR=4 if width <= 4 else 8, RP=reduce_rows(width), TRACE=False)
     C.update(over)

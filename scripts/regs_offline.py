@@ -76,6 +76,8 @@ VARIANTS = {
     "tail_bf16_max112": lambda: tail(maxnreg=112),
     "tail_fp8_max96": lambda: tail(fp8=True, maxnreg=96),
     "tail_fp8_max112": lambda: tail(fp8=True, maxnreg=112),
+    "tail_bf16_max120": lambda: tail(maxnreg=120),
+    "tail_fp8_max120": lambda: tail(fp8=True, maxnreg=120),
     "tail_bf16_bn32": lambda: tail(BLOCK_N=32),
     "tail_bf16_noxpf": lambda: tail(XPF=False),
     "tail_bf16_local": lambda: tail(LOCAL_NORM=True),

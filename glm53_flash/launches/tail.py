@@ -2,9 +2,11 @@
 logits out, and the greedy token (argmax across CTAs, then across TP ranks), in one persistent kernel.
 
 Stages (schedule.py places them; sync/ hands off between them):
-  0 norm     "box" mode: one task per row (up to the built width) writes the normed row xn and signals
-             box `xn` to every CTA (plain rows + release drain). "local" mode: every CTA normalises all
-             rows into its own slot instead (no hand-off, redundant reads of X).
+  0 norm     "box" mode: one task per (row, column chunk of NORM_SPLIT) writes its chunk of u = mean(X) * w
+             into xn and the chunk's sum of squares into ssq, and signals box `xn` to every CTA (plain rows
+             + release drain); the row's 1 / RMS is a scalar the GEMV applies to the row's logits (the
+             partials joined in chunk order), so no chunk waits for another. "local" mode: every CTA runs
+             every chunk of every row into its own slots instead (no hand-off, redundant reads of X).
   1 lm_head  one contiguous vocab row range per CTA, equal bytes (bf16: 16-row aligned; FP8: whole
              BLOCK_N tiles, see build_graph). A task moves its first tile's first lines to L2
              (prefetch.global.L2) before it waits on `xn`, then streams its tiles (kernels/gemv.py),
@@ -16,8 +18,8 @@ Stages (schedule.py places them; sync/ hands off between them):
   3 final    (TP > 1) CTA 0 awaits the `xchg` slots of all ranks and reduces them in rank order.
 Norm mode: "box" beat "local" on the H200 in every case measured (box runs the norm in `width` CTAs
 and hides its hop behind the L2 prefetch), so "box" is the default.
-xn precision: the norm writes y ~= hi + lo as two bf16 rows (~16 mantissa bits; relative logit error
-~5e-6 vs the fp32 reference on the H200). hi rows 0..XR-1 and lo rows XR..2XR-1 are the x rows of ONE
+xn precision: the norm writes u ~= hi + lo as two bf16 rows (~16 mantissa bits; relative logit error
+~5e-6 vs the fp32 reference on the H200); logits = (W @ u) / RMS. hi rows 0..XR-1 and lo rows XR..2XR-1 are the x rows of ONE
 MMA of 2*XR columns; logits of row r = column r + column XR + r. XR = 4 for widths <= 4 (n8 mma.sync),
 8 for width 8 (n16: wgmma at 4 warps, 102 KB shared memory, 2 CTAs/SM; FP8 bits of width 8 differ from
 the narrower builds'). An fp32 xn split inside the MMA loop cost ~75 registers (gemv.py _dot_x).
@@ -26,14 +28,13 @@ Registers (scripts/regs_offline.py, sm_90, 4 warps): the old kernel was 255 beca
 index tensors (norm chunks, reduce offsets) the compiler hoisted to the loop top, live across the GEMV,
 (c) the register prefetch (32 registers) held across the wait, (d) masks against runtime bounds of
 unknown alignment. Now: cold families are noinline calls, the wait happens once before the tile loop
-(after an L2 prefetch), bounds carry 16-row alignment, and maxnreg=112 (no spills): 112 registers,
-55 KB shared (bf16, 4 stages) -> 4 CTAs/SM; grid=None picks the resident maximum (<= 4/SM).
+(after an L2 prefetch), bounds carry 16-row alignment, and maxnreg=120 (no spills; 112 before the RMS
+scale moved after the GEMV): 120 registers, 55 KB shared (bf16, 4 stages) -> 4 CTAs/SM; grid=None picks the resident maximum (<= 4/SM).
 H200, 1 row, CUDA graph: TP1 bf16 307.8 us (92% of the 283 us floor; torch ops 321-323 us), FP8 ~185
 us (77%; measured with a scale bug since fixed), TP8 bf16 67-69 us (52%; torch 71 us).
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -59,32 +60,47 @@ INT32_MAX = 2147483647
 ROWS_H = 8                           # widest build = rows of a candidate slot (host int)
 ROWS: tl.constexpr = tl.constexpr(ROWS_H)
 SLOT = 2 * ROWS_H                     # int64 pairs per candidate slot (kernels/sample.py)
-NORM_CH = 512                        # norm chunk (elements); H must be a multiple of gcd(NORM_CH, H)
+NORM_SPLIT = 8                       # column chunks of the norm: tasks per row (box mode). Fixed, not per width
+NORM_SPLIT_C: tl.constexpr = tl.constexpr(NORM_SPLIT)   # or grid: a row's 8 partial sums join in one order
 DEFAULT_CTAS_PER_SM = 4              # grid=None cap on the GPU (see _fit_grid)
-DEFAULT_MAXNREG = 112                # ptxas cap, widths <= 4 (-1 = this default; None = ptxas's choice)
+DEFAULT_MAXNREG = 120                # ptxas cap, widths <= 4 (-1 = this default; None = ptxas's choice): 4 CTAs
+                                     # per SM up to 128 (65536 / (4 CTAs x 4 warps x 32)); 112 spilled 40 B once
+                                     # the GEMV held the rows' RMS partials
 
 
 @triton.jit
-def _norm_row(X, norm_w, out, r, eps, H: tl.constexpr, CH: tl.constexpr, XR: tl.constexpr):
-    """y[k] = rms_norm(mean_m X[r, m, :])[k] * w[k] (fp32) as bf16 hi = out[k] and lo = out[XR * H + k]
-    (y ~= hi + lo, ~16 mantissa bits), in CH-wide chunks (two passes over L2).
-    Runtime chunk loops: an unrolled static loop kept all chunks' loads (4 x [CH] fp32 each) in flight,
-    and this branch shares the persistent kernel's register budget with the GEMV."""
+def _norm_part(X, norm_w, xn, ssq, r, c, H: tl.constexpr, XR: tl.constexpr):
+    """Column chunk c (of NORM_SPLIT) of row r: u = mean_m X[r, m, :] * w (fp32) as bf16 hi = xn[r] and lo =
+    xn[XR + r] (u ~= hi + lo, ~16 mantissa bits), and the chunk's sum of squares of the mean -> ssq[r, c]. The
+    row's RMS scale is a scalar, applied to its logits after the GEMV (_row_scale), so a chunk needs nothing
+    from the others: one round trip of loads. (The row in one task, scaled before the GEMV, took two passes
+    of 8 dependent chunk loads: 8.6 us, traced on the H200, on the launch's critical path.)"""
+    CW: tl.constexpr = H // NORM_SPLIT_C
+    k = c * CW + tl.arange(0, CW)
     base = X + r * 4 * H
-    ss = tl.zeros([CH], tl.float32)
-    for c in range(0, H, CH):
-        k = c + tl.arange(0, CH)
-        xm = (tl.load(base + k) + tl.load(base + H + k) + tl.load(base + 2 * H + k) + tl.load(base + 3 * H + k)) * 0.25
-        ss += xm * xm
-    inv = tl.rsqrt(tl.sum(ss, axis=0) / H + eps)
-    for c in range(0, H, CH):
-        k = c + tl.arange(0, CH)
-        xm = (tl.load(base + k) + tl.load(base + H + k) + tl.load(base + 2 * H + k) + tl.load(base + 3 * H + k)) * 0.25
-        w = tl.load(norm_w + k).to(tl.float32)
-        y = xm * inv * w
-        hi = y.to(tl.bfloat16)
-        tl.store(out + k, hi)
-        tl.store(out + XR * H + k, (y - hi.to(tl.float32)).to(tl.bfloat16))
+    xm = (tl.load(base + k) + tl.load(base + H + k) + tl.load(base + 2 * H + k) + tl.load(base + 3 * H + k)) * 0.25
+    u = xm * tl.load(norm_w + k).to(tl.float32)
+    hi = u.to(tl.bfloat16)
+    tl.store(xn + r * H + k, hi)
+    tl.store(xn + (XR + r) * H + k, (u - hi.to(tl.float32)).to(tl.bfloat16))
+    tl.store(ssq + r * NORM_SPLIT_C + c, tl.sum(xm * xm, axis=0))
+
+
+@triton.jit
+def _row_ss(ssq, rows):
+    """The rows' NORM_SPLIT partial sums of squares [ROWS, NORM_SPLIT] (pad rows 0), loaded right after the xn
+    wait and used only after the first tile's MMAs (_row_scale), so the load's round trip hides behind it."""
+    r = tl.arange(0, ROWS)
+    c = tl.arange(0, NORM_SPLIT_C)
+    return tl.load(ssq + r[:, None] * NORM_SPLIT_C + c[None, :], mask=(r < rows)[:, None], other=0.0,
+                   cache_modifier=".cg")
+
+
+@triton.jit
+def _row_scale(ss, eps, H: tl.constexpr):
+    """[ROWS] 1 / RMS of each row's stream mean: its partials summed in chunk order (one shape, one order, at
+    every width and grid), as rms_norm's rsqrt(mean + eps)."""
+    return tl.rsqrt(tl.sum(ss, axis=1) / H + eps)
 
 
 @triton.jit
@@ -111,18 +127,24 @@ def prefetch_l2(ptrs, m):
 # tensors to the loop's top, where they stay live through the GEMV (the kernel reached 255 registers).
 # As calls (noinline) the cold families keep their registers to themselves.
 @triton.jit(noinline=True)
-def _norm_task(X, norm_w, xn, a0, rows, eps, box, box_words, tag, site_xn, fault_site, H: tl.constexpr,
-               CH: tl.constexpr, XR: tl.constexpr):
+def _norm_task(X, norm_w, xn, ssq, a0, a1, rows, box, box_words, tag, site_xn, fault_site, H: tl.constexpr,
+               XR: tl.constexpr):
+    """norm (box mode): row a0's column chunk a1, producer a0 * NORM_SPLIT + a1 of xn."""
     if a0 < rows:
-        _norm_row(X, norm_w, xn + a0 * H, a0, eps, H, CH, XR)
-    signal_box(box, tl.num_programs(0), box_words, a0, tag, site_xn, fault_site, 128)
+        _norm_part(X, norm_w, xn, ssq, a0, a1, H, XR)
+    signal_box(box, tl.num_programs(0), box_words, a0 * NORM_SPLIT_C + a1, tag, site_xn, fault_site, 128)
 
 
 @triton.jit(noinline=True)
-def _norm_local_task(X, norm_w, xn, rows, eps, H: tl.constexpr, CH: tl.constexpr, XR: tl.constexpr):
+def _norm_local_task(X, norm_w, xn, ssq, rows, H: tl.constexpr, XR: tl.constexpr):
+    """norm_local: every chunk of every row into this CTA's own xn / ssq slots (the same code and order as
+    the box mode's tasks, so the same bits)."""
     r = 0
     while r < rows:
-        _norm_row(X, norm_w, xn + r * H, r, eps, H, CH, XR)
+        c = 0
+        while c < NORM_SPLIT_C:
+            _norm_part(X, norm_w, xn, ssq, r, c, H, XR)
+            c += 1
         r += 1
     tl.debug_barrier()                                               # own warps' stores before the GEMVs
 
@@ -173,11 +195,11 @@ def _final_task(xchg, tokens, rows, tag, hdr, tp_rank, tp_size, site_xchg, pid, 
                                "tag_stride", "tag_offset", "fault_site", "timeout_ns", "site_xn", "site_cand",
                                "site_xchg", "n_slots", "n_norm"])
 def tail_kernel(table, starts, X, norm_w, W, S, logits, tokens, best, scratch, xchg, peer_src, trace,
-                o_hdr, o_xn, o_box, o_cand, xn_cta_stride, box_words,
+                o_hdr, o_xn, o_box, o_cand, o_ssq, xn_cta_stride, box_words,
                 rows, V_rank, vocab_off, tp_rank, tp_size, n_norm, n_slots, eps,
                 stage_lo, stage_hi, bump, tag_stride, tag_offset, fault_site, timeout_ns,
                 site_xn, site_cand, site_xchg,
-                H: tl.constexpr, CH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, LOCAL_NORM: tl.constexpr, SLOTS: tl.constexpr,
                 L2_LINES: tl.constexpr, EPL: tl.constexpr, XPF: tl.constexpr, ROW16: tl.constexpr,
                 XR: tl.constexpr, RP: tl.constexpr, TRACE: tl.constexpr):
@@ -189,8 +211,10 @@ def tail_kernel(table, starts, X, norm_w, W, S, logits, tokens, best, scratch, x
     s64 = scratch.to(tl.pointer_type(tl.int64), bitcast=True)
     cand = s64 + o_cand                                              # [n_slots, SLOT_WORDS] pairs
     xn = scratch.to(tl.pointer_type(tl.bfloat16), bitcast=True) + o_xn  # [2, ROWS, H] bf16 (local: per CTA)
+    ssq = scratch.to(tl.pointer_type(tl.float32), bitcast=True) + o_ssq  # [ROWS, NORM_SPLIT] (local: per CTA)
     if LOCAL_NORM:
         xn += pid * xn_cta_stride
+        ssq += pid * (ROWS * NORM_SPLIT_C)
     box = scratch + o_box
     # the task range before launch_begin: constant, and not ordered after its acquire (PDL: before the
     # previous kernel is done)
@@ -208,10 +232,10 @@ def tail_kernel(table, starts, X, norm_w, W, S, logits, tokens, best, scratch, x
             if TRACE:
                 t_task = trace_clock(i)
                 c_task = trace_cycles(i)
-            if fam == 0:                                             # norm (box mode): row a0
-                _norm_task(X, norm_w, xn, a0, rows, eps, box, box_words, tag, site_xn, fault_site, H, CH, XR)
+            if fam == 0:                                             # norm (box mode): row a0, chunk a1
+                _norm_task(X, norm_w, xn, ssq, a0, a1, rows, box, box_words, tag, site_xn, fault_site, H, XR)
             elif fam == 1:                                           # norm_local: every row, own slot
-                _norm_local_task(X, norm_w, xn, rows, eps, H, CH, XR)
+                _norm_local_task(X, norm_w, xn, ssq, rows, H, XR)
             elif fam == 2:                                           # gemv: vocab rows a0..a1-1, slot a2
                 if not LOCAL_NORM:
                     if xn_ready == 0:
@@ -219,6 +243,7 @@ def tail_kernel(table, starts, X, norm_w, W, S, logits, tokens, best, scratch, x
                         _l2_prefetch(W, a0, a1, H, BLOCK_N, L2_LINES, EPL)
                         ok = _wait_xn(box, pid, box_words, n_norm, tag, hdr, site_xn, timeout_ns)
                         xn_ready = ok
+                ss = _row_ss(ssq, rows)                              # the rows' RMS partials (after the wait)
                 if ROW16:
                     a1 = (a1 >> 4) << 4                              # tells the masks: 16-row granules
                 a0 = (a0 >> 4) << 4
@@ -237,6 +262,7 @@ def tail_kernel(table, starts, X, norm_w, W, S, logits, tokens, best, scratch, x
                     if XR < ROWS:                                    # back to ROWS columns (copies, masked)
                         acc = tl.reshape(tl.broadcast_to(acc[:, None, :], (BLOCK_N, ROWS // XR, XR)),
                                          (BLOCK_N, ROWS))
+                    acc = acc * _row_scale(ss, eps, H)[None, :]       # the norm's 1 / RMS, per row
                     gemv_store(logits, V_rank, acc, rows, n0, a1, ROWS_PAD, BLOCK_N)
                     v, ix = tile_argmax(acc, n0, a1, vocab_off, BLOCK_N)
                     bv, bi = argmax_merge(bv, bi, v, ix)
@@ -265,7 +291,7 @@ def reduce_rows(width: int) -> int:
 
 def reduce_slots(width: int) -> int:
     """Candidate slots the reduce awaits per step (one L2 round trip each): 512 slot rows (1024 at 1 row) a step,
-    what the 112-register build holds without spilling (scripts/regs_offline.py: 1024 at 2 or 4 rows spills
+    what the 120-register build holds without spilling (scripts/regs_offline.py: 1024 at 2 or 4 rows spills
     64-88 B). At TP8's 528 CTAs: 1 step at 1 row, 3 at 2, 5 at 4, 9 at 8 (was 9 at every width)."""
     rp = reduce_rows(width)
     return (1024 if rp == 1 else 512) // rp
@@ -302,6 +328,9 @@ class TailLaunch(Launch):
         if norm_mode not in NORM_MODES:
             raise ValueError(f"tail: norm_mode={norm_mode!r} must be one of {NORM_MODES}")
         H, V = cfg.hidden_size, cfg.vocab_size
+        cw = H // NORM_SPLIT
+        if H % NORM_SPLIT or cw & (cw - 1):
+            raise ValueError(f"tail: hidden_size {H} must be {NORM_SPLIT} x a power of two (the norm's column chunks)")
         self.cfg, self.H, self.V_rank = cfg, H, V // tp_size
         self.tp_rank, self.tp_size, self.width, self.norm_mode = tp_rank, tp_size, width, norm_mode
         self.vocab_off = tp_rank * self.V_rank
@@ -376,10 +405,11 @@ class TailLaunch(Launch):
         g.stage("norm")
         if self.norm_mode == "box":
             for r in range(self.width):
-                g.add("norm", (r,), writes=("xn",), nbytes=2 * 4 * H * 4 + 2 * H)
+                for c in range(NORM_SPLIT):
+                    g.add("norm", (r, c), writes=("xn",), nbytes=(4 * H * 4 + 2 * H) // NORM_SPLIT)
         else:
             for c in range(G):
-                g.add("norm_local", (), nbytes=self.width * 2 * 4 * H * 4, cta=c)
+                g.add("norm_local", (), nbytes=self.width * 4 * H * 4, cta=c)
         g.stage("lm_head")
         # bf16: equal 16-row aligned ranges, not whole tiles (2420 64-row tiles over 528 CTAs would leave
         # the longest task 9% above the mean); a range's last tile is masked at the range's end.
@@ -406,9 +436,11 @@ class TailLaunch(Launch):
         H = self.H
         if self.norm_mode == "box":
             pl.rows("xn", (2, self.xr, H), "bfloat16")
-            pl.box("box", self.grid, self.width)
+            pl.rows("ssq", (ROWS_H, NORM_SPLIT), "float32")
+            pl.box("box", self.grid, self.width * NORM_SPLIT)
         else:
             pl.rows("xn", (self.grid, 2, self.xr, H), "bfloat16")
+            pl.rows("ssq", (self.grid, ROWS_H, NORM_SPLIT), "float32")
         pl.pairs("cand", (self.n_slots, SLOT))
 
     def kernel(self):
@@ -424,14 +456,15 @@ class TailLaunch(Launch):
         sched = self.schedule
         args = (self.table, self.starts, self.X, self.norm_w, self.W, self.S, self.logits, self.tokens, self.best,
                 self.scratch, xchg, self.peer_src, self.trace_args()[0],
-                L["hdr"].elem_offset(), L["xn"].elem_offset(), box_off, L["cand"].elem_offset(),
+                L["hdr"].elem_offset(), L["xn"].elem_offset(), box_off, L["cand"].elem_offset(), L["ssq"].elem_offset(),
                 2 * self.xr * self.H, box_words,
-                self.rows, self.V_rank, self.vocab_off, self.tp_rank, self.tp_size, self.width, self.n_slots,
+                self.rows, self.V_rank, self.vocab_off, self.tp_rank, self.tp_size, self.width * NORM_SPLIT,
+                self.n_slots,
                 float(self.cfg.rms_norm_eps), stage_lo, stage_hi, bump, self.tag_stride, self.tag_offset,
                 fault_site, self._timeout_ns,
                 sched.site_id("xn"), sched.site_id("cand"), sched.site_id("xchg"))
         esize = 1 if self.fp8 else 2
-        const = dict(H=self.H, CH=math.gcd(NORM_CH, self.H), BLOCK_N=self.block_n, BLOCK_K=self.block_k, PF_K=128,
+        const = dict(H=self.H, BLOCK_N=self.block_n, BLOCK_K=self.block_k, PF_K=128,
                      NUM_STAGES=self.num_stages, LOCAL_NORM=self.norm_mode == "local",
                      SLOTS=reduce_slots(self.width), RP=reduce_rows(self.width),
                      TRACE=self.trace_args()[1],
