@@ -92,7 +92,8 @@ def test_tail_local_norm_and_partial_batch(tiny_cfg, gen, width, rows, fp8):
     assert bool(torch.isnan(L.logits[rows:]).all()) and bool((L.tokens[rows:] == -1).all())   # pad rows untouched
     assert L.sites.names == ["tail.cand"]
     box = TailLaunch(tiny_cfg, W, nw, S, width=width)               # the same chunks in the same order: same bits
-    assert [t.args for t in box.schedule.tasks if t.family == "norm"] == [(r, c) for r in range(width) for c in range(8)]
+    norm_args = [t.args for t in box.schedule.tasks if t.family == "norm"]
+    assert norm_args == [(r, c) for r in range(width) for c in range(8)]
     lb, tb = box.run(X)
     assert torch.equal(lb, logits) and torch.equal(tb, tokens)
 
@@ -259,7 +260,8 @@ def test_sm90_compile_and_spin_regions():
 
 def test_sm90_registers_offline():
     """The tail at the real shape (H 4096, 4 warps, the launch's constexprs) fits 4 CTAs per SM: <= 120
-    registers (the default maxnreg; 128 is the 4-per-SM limit), nothing spilled (scripts/regs_offline.py; no GPU needed)."""
+    registers (the default maxnreg; 128 is the 4-per-SM limit), nothing spilled (scripts/regs_offline.py; no GPU
+    needed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "regs_offline.py"), "tail_bf16_max120",

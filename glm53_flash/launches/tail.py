@@ -16,25 +16,25 @@ Stages (schedule.py places them; sync/ hands off between them):
              TP 1: writes the tokens. TP > 1: publishes the rank's candidate to every rank's `xchg`
              slot; in loopback mode (one GPU) peer tasks publish the other ranks' candidates locally.
   3 final    (TP > 1) CTA 0 awaits the `xchg` slots of all ranks and reduces them in rank order.
-Norm mode: "box" beat "local" on the H200 in every case measured (box runs the norm in `width` CTAs
+Norm mode: "box" beat "local" on the H200 in every case measured (box runs the norm in 8 x width tasks
 and hides its hop behind the L2 prefetch), so "box" is the default.
 xn precision: the norm writes u ~= hi + lo as two bf16 rows (~16 mantissa bits; relative logit error
-~5e-6 vs the fp32 reference on the H200); logits = (W @ u) / RMS. hi rows 0..XR-1 and lo rows XR..2XR-1 are the x rows of ONE
-MMA of 2*XR columns; logits of row r = column r + column XR + r. XR = 4 for widths <= 4 (n8 mma.sync),
-8 for width 8 (n16: wgmma at 4 warps, 102 KB shared memory, 2 CTAs/SM; FP8 bits of width 8 differ from
-the narrower builds'). An fp32 xn split inside the MMA loop cost ~75 registers (gemv.py _dot_x).
+~5e-6 vs the fp32 reference on the H200); logits = (W @ u) / RMS. hi rows 0..XR-1 and lo rows XR..2XR-1
+are the x rows of ONE MMA of 2*XR columns; logits of row r = column r + column XR + r. XR = 4 for widths
+<= 4 (n8 mma.sync), 8 for width 8 (n16: wgmma at 4 warps, 102 KB shared memory, 2 CTAs/SM; FP8 bits of
+width 8 differ from the narrower builds'). An fp32 xn split inside the MMA loop cost ~75 registers (gemv.py _dot_x).
 Registers (scripts/regs_offline.py, sm_90, 4 warps): the old kernel was 255 because (a) fp32 xn
 (standalone GEMV 62 -> 138), (b) the families were inlined into one while loop, whose loop-invariant
 index tensors (norm chunks, reduce offsets) the compiler hoisted to the loop top, live across the GEMV,
 (c) the register prefetch (32 registers) held across the wait, (d) masks against runtime bounds of
 unknown alignment. Now: cold families are noinline calls, the wait happens once before the tile loop
 (after an L2 prefetch), bounds carry 16-row alignment, and maxnreg=120 (no spills; 112 before the RMS
-scale moved after the GEMV): 120 registers, 55 KB shared (bf16, 4 stages) -> 4 CTAs/SM; grid=None picks the resident maximum (<= 4/SM).
+scale moved after the GEMV): 120 registers, 55 KB shared (bf16, 4 stages) -> 4 CTAs/SM; grid=None picks
+the resident maximum (<= 4/SM).
 H200, 1 row, CUDA graph: TP1 bf16 307.8 us (92% of the 283 us floor; torch ops 321-323 us), FP8 ~185
 us (77%; measured with a scale bug since fixed), TP8 bf16 67-69 us (52%; torch 71 us).
 """
 from __future__ import annotations
-
 
 import torch
 import triton
