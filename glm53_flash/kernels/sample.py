@@ -40,8 +40,9 @@ def argmax_merge(bv, bi, v, i):
 
 
 @triton.jit
-def empty_candidate():
-    return tl.full([ROWS_PAD], float("-inf"), tl.float32), tl.full([ROWS_PAD], INT_MAX, tl.int32)
+def empty_candidate(RP: tl.constexpr = ROWS_PAD):
+    """A candidate that loses to any other, for RP rows."""
+    return tl.full([RP], float("-inf"), tl.float32), tl.full([RP], INT_MAX, tl.int32)
 
 
 @triton.jit
@@ -92,7 +93,7 @@ def reduce_candidates(base_ptr, n_slots, rows, tag, hdr, site, cta, budget_ns, S
     words is the poll's register cost, so a 1-row build awaits 8x the slots of an 8-row one per step).
     The pick (larger value, then lower index) is a total order: how the slots are grouped into steps does
     not change the result."""
-    bv, bi = tl.full([RP], float("-inf"), tl.float32), tl.full([RP], INT_MAX, tl.int32)
+    bv, bi = empty_candidate(RP)
     ok = 1
     offs = tl.arange(0, SLOTS * RP)
     s0 = 0

@@ -395,6 +395,11 @@ class TailLaunch(Launch):
             self._setup()
 
     # ------------------------------------------------------------------ plan
+    @property
+    def n_norm(self) -> int:
+        """Producers of box xn: the norm tasks, NORM_SPLIT column chunks of every built row."""
+        return self.width * NORM_SPLIT
+
     @staticmethod
     def site_names(tp_size: int = 1, norm_mode: str = DEFAULT_NORM_MODE) -> list[str]:
         return (["tail.xn"] if norm_mode == "box" else []) + ["tail.cand"] + (["tail.xchg"] if tp_size > 1 else [])
@@ -437,7 +442,7 @@ class TailLaunch(Launch):
         if self.norm_mode == "box":
             pl.rows("xn", (2, self.xr, H), "bfloat16")
             pl.rows("ssq", (ROWS_H, NORM_SPLIT), "float32")
-            pl.box("box", self.grid, self.width * NORM_SPLIT)
+            pl.box("box", self.grid, self.n_norm)
         else:
             pl.rows("xn", (self.grid, 2, self.xr, H), "bfloat16")
             pl.rows("ssq", (self.grid, ROWS_H, NORM_SPLIT), "float32")
@@ -458,8 +463,7 @@ class TailLaunch(Launch):
                 self.scratch, xchg, self.peer_src, self.trace_args()[0],
                 L["hdr"].elem_offset(), L["xn"].elem_offset(), box_off, L["cand"].elem_offset(), L["ssq"].elem_offset(),
                 2 * self.xr * self.H, box_words,
-                self.rows, self.V_rank, self.vocab_off, self.tp_rank, self.tp_size, self.width * NORM_SPLIT,
-                self.n_slots,
+                self.rows, self.V_rank, self.vocab_off, self.tp_rank, self.tp_size, self.n_norm, self.n_slots,
                 float(self.cfg.rms_norm_eps), stage_lo, stage_hi, bump, self.tag_stride, self.tag_offset,
                 fault_site, self._timeout_ns,
                 sched.site_id("xn"), sched.site_id("cand"), sched.site_id("xchg"))
