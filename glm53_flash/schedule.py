@@ -331,4 +331,8 @@ def kernel_resources(compiled) -> dict:
 def device_sm_count(device) -> int:
     import torch
 
+    from . import offline_build
+    if offline_build.active():                  # building for a GPU this machine does not have
+        return offline_build.sm_count()
+
     return torch.cuda.get_device_properties(device).multi_processor_count

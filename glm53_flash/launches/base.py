@@ -21,6 +21,7 @@ from sync import HEADER_LINES, SiteRegistry, check_record, read_record, timeout_
 from sync.header import WAIT_CLK as H_WAIT_CLK
 from sync.guard import DEFAULT_TIMEOUT_S
 
+from .. import offline_build
 from .. import schedule as sched_mod
 
 
@@ -70,7 +71,7 @@ class Launch:
         self.device = torch.device(device if device is not None else ("cpu" if interpreting() else "cuda"))
         if self.device.type != "cpu" and interpreting():
             raise ValueError(f"{self.kind}: device={self.device} but TRITON_INTERPRET=1 runs on the CPU")
-        if self.device.type == "cpu" and not interpreting():
+        if self.device.type == "cpu" and not interpreting() and not offline_build.active():
             raise ValueError(f"{self.kind}: device=cpu needs TRITON_INTERPRET=1 (set before importing kernels)")
         if grid is None:
             grid = 4 if interpreting() else sched_mod.device_sm_count(self.device) * self.default_ctas_per_sm
@@ -168,6 +169,9 @@ class Launch:
         k = self.kernel()
         if not interpreting():
             kw.update(launch_options())
+            if offline_build.active():           # no GPU here: compile into the cache, launch nothing
+                k.warmup(*args, grid=(self.grid,), **kw)
+                return
             key = tuple(sorted(const.items()))
             if key not in self._resident:
                 self._resident[key] = self.check_resident(k, args, kw)

@@ -28,7 +28,7 @@ from .. import schedule as sched_mod
 from .. import tp as tp_mod
 from ..schedule import TASK_COST_FLOOR, TaskGraph, choose_k_split
 from ..weights import PREFIX, weight_specs
-from .base import Launch, check_rank_width, run_interleaved
+from .base import Launch, check_rank_width, interpreting, run_interleaved
 from .ffn import BOX_BASE_H as BOX_BASE
 from .ffn_tasks import ROUTER_BLOCK_E
 from .kda_layer import BOXES, FAMILIES, META, META_WORDS, ROWS_REGIONS, kda_layer_kernel
@@ -118,7 +118,7 @@ class KdaLayerLaunch(Launch):
                  num_warps: int = 4, act_dtype: str = "bfloat16", maxnreg: int | None = -1, **tag_kw):
         super().__init__(grid=grid, device=device, timeout_s=timeout_s, **tag_kw)
         per_sm = self.default_ctas_per_sm
-        if self.device.type == "cuda":
+        if not interpreting():
             per_sm = -(-self.grid // sched_mod.device_sm_count(self.device))
         self.maxnreg = maxnreg_for(per_sm, num_warps) if maxnreg == -1 else maxnreg
         k = self.kind

@@ -31,6 +31,7 @@ import dataclasses
 import torch
 
 from ..weights import LM_HEAD, PREFIX
+from .base import interpreting
 from .layer_host import rank_tensors
 from .sparse import SparseLaunch
 
@@ -58,7 +59,7 @@ class NextnLaunch(SparseLaunch):
         from .tail import TailLaunch
         w, sc = rank_tensors(self.cfg, source, [LM_HEAD], self.tp_rank, self.tp_size, scales)
         options = dict(options)
-        options.setdefault("grid", self.grid if self.device.type == "cpu" else None)
+        options.setdefault("grid", self.grid if interpreting() else None)
         return TailLaunch(self.cfg, w[LM_HEAD], self.shn, sc.get(LM_HEAD), tp_rank=self.tp_rank,
                           tp_size=self.tp_size, width=self.width, device=self.device, **options)
 

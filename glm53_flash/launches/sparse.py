@@ -55,7 +55,7 @@ from ..kernels.indexer import topk_passes
 from ..kernels.mla import AttentionSplit, att_chunk, choose_attention_split, join_chunk
 from ..schedule import TaskGraph
 from .kda import KdaLaunch
-from .base import check_rank_width
+from .base import check_rank_width, interpreting
 from .ffn_tasks import ROUTER_BLOCK_E
 from .layer_host import ROWS_PAD, _ranges, rank_tensors
 from .sparse_layer import BOXES, CACHE_ALIGN_ELEMS, FAMILIES, META, META_WORDS, ROWS_REGIONS, sparse_layer_kernel
@@ -122,7 +122,7 @@ class SparseLaunch(KdaLaunch):
         self.sel_chunk = chunk
         self.n_sel = -(-self.pmax // chunk)
         self.t_max = triton.next_power_of_2(self.n_sel)
-        sm = sm_count or (self.grid if self.device.type == "cpu" else None)
+        sm = sm_count or (self.grid if interpreting() else None)
         if sm is None:
             from ..schedule import device_sm_count
             sm = device_sm_count(self.device)
@@ -353,7 +353,7 @@ class SparseLaunch(KdaLaunch):
                      ACT_F32=self.act_dtype == "float32", ABS_C=self.abs_c, ABS_CK=min(self.DN, 64),
                      HB=sp.heads_per_task, BLOCK_T=sp.block_t, ATT_CK=att_chunk(sp.block_t, self.C), OUT_N=self.out_n,
                      OUT_PF=out_pf, BLOCK_P=self.block_p, T_MAX=self.t_max, BITS=self.bits,
-                     SEL_BLOCK=min(1024 if self.device.type != "cpu" else 64, triton.next_power_of_2(self.sel_chunk)), NORM_BLOCK=triton.next_power_of_2(self.H),
+                     SEL_BLOCK=min(64 if interpreting() else 1024, triton.next_power_of_2(self.sel_chunk)), NORM_BLOCK=triton.next_power_of_2(self.H),
                      E=self.E, KE=self.KE, I_E=self.I_E, E_PAD=triton.next_power_of_2(self.E),
                      K_PAD=triton.next_power_of_2(self.KE), RENORM=bool(cfg.norm_topk_prob), BLOCK_E=ROUTER_BLOCK_E, RCK=32,
                      NEXTN=self.NEXTN, TRACE=self.trace_args()[1], KS_GU=self.ks_gu, KS_E=self.ks_e, KG=self.kg,
