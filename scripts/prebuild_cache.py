@@ -11,9 +11,10 @@ when a launch is built, and the interpreter must be off before the kernels are i
 The launches are built as diag_layers.py / bench_gap.py / time_layers.py build them (preset glm53-flash,
 --experts routed experts, cache length from --pos), so their kernels are the ones those scripts ask for at the
 same flags. The wheel: the GPU machine's Triton (3.6.0 for Python 3.12); without --wheel it is looked for in
-.whl/ and downloaded there with pip if missing (~190 MB, once). Writes --out (default .triton_cache.tgz: carry it;
-scripts/gpu_perf.sh unpacks it into the device's TRITON_CACHE_DIR), newest entries first, the old archive's
-entries after them with --merge. A kernel that fails to compile is an error (exit 1), with its log.
+.device_wheels/ and downloaded there with pip if missing (~190 MB, once; not .whl/, whose wheels travel to the
+device). Writes --out (default .triton_cache.tgz: carry it; scripts/gpu_perf.sh unpacks it into the device's
+TRITON_CACHE_DIR), newest entries first, the old archive's entries after them with --merge. A kernel that fails
+to compile is an error (exit 1), with its log.
 """
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ def main(argv=None) -> int:
     ap.add_argument("--env", default="", help="'|'-separated K=V sets, one build of each kind per set, "
                                                "e.g. 'GLM53_XIN=1|GLM53_XIN=0'")
     ap.add_argument("--trace", action="store_true", help="also the TRACE builds (diag_layers / bench_gap --trace)")
-    ap.add_argument("--wheel", default=None, help="the GPU machine's Triton wheel (default: found or fetched in .whl/)")
+    ap.add_argument("--wheel", default=None,
+                    help="the GPU machine's Triton wheel (default: found or fetched in .device_wheels/)")
     ap.add_argument("--local-key", action="store_true",
                     help="keep this machine's Triton key (a cache only this Python reuses; for tests)")
     ap.add_argument("--cache-dir", default=None, help="Triton cache to write (default a fresh temporary one)")
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
     if a.one:
         return build_one(a)
     import triton
-    wheel = "" if a.local_key else (a.wheel or find_wheel(triton.__version__, os.path.join(ROOT, ".whl")))
+    wheel = "" if a.local_key else (a.wheel or find_wheel(triton.__version__, os.path.join(ROOT, ".device_wheels")))
     cache = a.cache_dir or tempfile.mkdtemp(prefix="prebuild_cache_")
     os.makedirs(cache, exist_ok=True)
     envs = [dict(kv.split("=", 1) for kv in s.split()) for s in a.env.split("|")] if a.env else [{}]
@@ -136,8 +138,8 @@ def main(argv=None) -> int:
                 ok = r.returncode == 0
                 failed += not ok
                 grid = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("grid ")]
-                print(f"{'built ' if ok else 'FAILED'} {label} ({time.time() - t0:.0f} s{', ' + grid[0] if grid else ''})",
-                      flush=True)
+                where = f", {grid[0]}" if grid else ""
+                print(f"{'built ' if ok else 'FAILED'} {label} ({time.time() - t0:.0f} s{where})", flush=True)
                 if not ok:
                     print(r.stdout[-3000:] + r.stderr[-3000:])
     n = pack(cache, a.out, a.merge)
