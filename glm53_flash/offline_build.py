@@ -141,7 +141,7 @@ def enable(wheel: str | None, *, arch: int = 90, sms: int = H100_H200_SMS) -> No
         key = device_key(wheel)
         cache.triton_key = lambda: key          # get_cache_key reads the module global
     driver.set_active(_OfflineDriver(GPUTarget("cuda", arch, 32)))
-    _STATE.update(sms=sms, arch=arch, wheel=wheel)
+    _STATE.update(sms=sms)
 
 
 if __name__ == "__main__":                      # python glm53_flash/offline_build.py fix-groups DIR (gpu_perf.sh)

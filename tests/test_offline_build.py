@@ -77,10 +77,15 @@ def test_prebuild_compiles_a_launch_for_sm90_without_running_it(tmp_path):
     assert offline_build.fix_groups(str(tmp_path / "there")) == 0             # already pointing there
 
 
-def test_enable_refuses_after_the_kernels_are_imported():
-    """In this (interpreter) process: the interpreter is on and the kernel modules may be loaded: refused."""
+def test_enable_refuses_the_interpreter_and_loaded_kernels(monkeypatch):
+    """The interpreter on: refused; off but the kernel modules already imported (their decorators chose the
+    interpreter): refused too; neither leaves the offline mode on."""
     import importlib
     importlib.import_module("glm53_flash.launches.dense")
-    with pytest.raises(RuntimeError):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        offline_build.enable(None)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="before the kernel modules"):
         offline_build.enable(None)
     assert not offline_build.active()
