@@ -342,12 +342,16 @@ def _down_group_kernel(wd_s, sd_s, act_s, ids, rw, act_e, w_d, s_d, y, j0, j1, E
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-@pytest.mark.parametrize("j0, j1", [(0, 3), (3, 6), (6, 9), (0, 2), (7, 9)], ids=lambda v: str(v))
-def test_merged_down_loop_same_bits(fmt, j0, j1, gen, one_thread):
+@pytest.mark.parametrize("j0, j1, same_i", [(0, 3, 0), (3, 6, 0), (6, 9, 0), (0, 2, 0), (7, 9, 0), (6, 9, 1), (7, 9, 1)],
+                         ids=lambda v: str(v))
+def test_merged_down_loop_same_bits(fmt, j0, j1, same_i, gen, one_thread):
     """moe_down_group with the routed experts of a group in one pipelined loop (MERGED, the launches' form) gives the
     same bits as one gemv_stream per expert, for full groups, the group holding the shared expert (j1 = K + 1) and
-    short ones (fewer routed slots than the loop's three accumulators); bf16 (with a partial last K step) and FP8."""
-    E, H, I, I_s, K, BN = 6, 128, (256 if fmt == "fp8" else 192), 128, 8, 64     # bf16: a masked last K step
+    short ones (fewer routed slots than the loop's three accumulators); bf16 (with a partial last K step) and FP8.
+    same_i: the shared expert as wide as a routed one (the model's shapes), so it joins the merged loop as the slot
+    after the group's routed ones (its weight 1.0); otherwise it keeps its own gemv_stream after the loop."""
+    E, H, I, K, BN = 6, 128, (256 if fmt == "fp8" else 192), 8, 64     # bf16: a masked last K step
+    I_s = I if same_i else 128
     w = torch.randn(E, H, I, generator=gen) * 0.05
     ws = torch.randn(H, I_s, generator=gen) * 0.05
     if fmt == "fp8":

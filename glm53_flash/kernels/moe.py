@@ -343,18 +343,20 @@ def _pick3(t, a0, a1, a2):
 
 
 @triton.jit
-def _merged_step(s, a0, a1, a2, e0, e1, e2, w_d, s_d, act_e_row, n0, j0, SB, H, I: tl.constexpr,
-                 ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NS: tl.constexpr,
-                 CK: tl.constexpr):
-    """K step s of _routed_down_merged (expert t = s // NS of the group) into its accumulator -> (a0, a1, a2)."""
+def _merged_step(s, a0, a1, a2, e0, e1, e2, w_d, s_d, act_e_row, wd_s, sd_s, act_s_row, ts, n0, j0, SB, H,
+                 I: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NS: tl.constexpr, CK: tl.constexpr):
+    """K step s of _routed_down_merged (slot t = s // NS of the group: a routed expert, or the shared expert
+    when t == ts) into its accumulator -> (a0, a1, a2)."""
     t = s // NS
     e = _pick3(t, e0, e1, e2)
-    wd = w_d + e * H * I
+    shared = t == ts
+    wd = tl.where(shared, wd_s, w_d + e * H * I)
     if w_d.dtype.element_ty == tl.float8e4nv:
-        sd = s_d + e * SB
+        sd = tl.where(shared, sd_s, s_d + e * SB)
     else:
         sd = wd
-    x = act_e_row + (j0 + t) * I
+    x = tl.where(shared, act_s_row, act_e_row + (j0 + t) * I)
     cur = _pick3(t, a0, a1, a2)
     for c in tl.static_range(BLOCK_K // CK):
         k = (s % NS) * BLOCK_K + c * CK
@@ -364,13 +366,16 @@ def _merged_step(s, a0, a1, a2, e0, e1, e2, w_d, s_d, act_e_row, n0, j0, SB, H, 
 
 
 @triton.jit
-def _routed_down_merged(ids_row, rw_row, act_e_row, w_d, s_d, n0, j0, nr, E, H, I: tl.constexpr,
-                        ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _routed_down_merged(ids_row, rw_row, act_e_row, w_d, s_d, wd_s, sd_s, act_s_row, n0, j0, nr, with_s, E, H,
+                        I: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         NUM_STAGES: tl.constexpr, G: tl.constexpr, K: tl.constexpr):
-    """y = sum_{t < nr} w_t * D_t (t in order) for routed slots j0 .. j0 + nr - 1 (nr <= G <= 3): the same MMAs
-    into the same accumulators in the same order as one gemv_stream per expert (so the same bits), but ONE
-    pipelined loop over every expert's K steps. Per expert, a gemv_stream of I = 256 columns is 2 steps: all
-    prologue and drain, one round trip each, three in a row (moe_down own ~5.5 us for ~96 KB, H200 kda trace)."""
+    """y = sum_{t < nr} w_t * D_t (t in order) for routed slots j0 .. j0 + nr - 1 (nr <= G <= 3), then, with_s
+    (nr < G, the shared expert's I == I), + S, the shared expert's GEMV, as slot nr: the same MMAs into the same
+    accumulators in the same order as one gemv_stream per GEMV (so the same bits; S's weight is 1.0, exact),
+    but ONE pipelined loop over every GEMV's K steps. Per GEMV, a gemv_stream of I = 256 columns is 2 steps:
+    all prologue and drain, one round trip each, three in a row (moe_down own ~5.5 us for ~96 KB, H200 kda
+    trace); the group holding the shared expert ran its S as a second pipeline after the loop (the critical
+    moe_down of the kda TP8 trace is that group)."""
     tl.static_assert(G <= 3, "the merged loop keeps three accumulators")
     CK: tl.constexpr = 128 if BLOCK_K > 128 else BLOCK_K
     NS: tl.constexpr = (I + BLOCK_K - 1) // BLOCK_K           # K steps per expert (the last one masked, as gemv_stream)
@@ -378,9 +383,14 @@ def _routed_down_merged(ids_row, rw_row, act_e_row, w_d, s_d, n0, j0, nr, E, H, 
     e0 = expert_id(ids_row, tl.minimum(j0, last), E)
     e1 = expert_id(ids_row, tl.minimum(j0 + 1, last), E)
     e2 = expert_id(ids_row, tl.minimum(j0 + 2, last), E)
+    ts = tl.where(with_s, nr, G)                                # the shared expert's slot (G: none)
     w0 = tl.load(rw_row + tl.minimum(j0, last), cache_modifier=".cg")     # with the ids: one round trip, not a
     w1 = tl.load(rw_row + tl.minimum(j0 + 1, last), cache_modifier=".cg")  # second one after the loop
     w2 = tl.load(rw_row + tl.minimum(j0 + 2, last), cache_modifier=".cg")
+    w0 = tl.where(ts == 0, 1.0, w0)
+    w1 = tl.where(ts == 1, 1.0, w1)
+    w2 = tl.where(ts == 2, 1.0, w2)
+    nr = tl.where(with_s, nr + 1, nr)
     a0 = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
     a1 = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
     a2 = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
@@ -392,13 +402,13 @@ def _routed_down_merged(ids_row, rw_row, act_e_row, w_d, s_d, n0, j0, nr, E, H, 
     if _interpreting():
         s = 0
         while s < n_steps:
-            a0, a1, a2 = _merged_step(s, a0, a1, a2, e0, e1, e2, w_d, s_d, act_e_row, n0, j0, SB, H, I, ROWS_PAD,
-                                      BLOCK_N, BLOCK_K, NS, CK)
+            a0, a1, a2 = _merged_step(s, a0, a1, a2, e0, e1, e2, w_d, s_d, act_e_row, wd_s, sd_s, act_s_row, ts,
+                                      n0, j0, SB, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, NS, CK)
             s += 1
     else:
         for s in tl.range(0, n_steps, 1, num_stages=NUM_STAGES):
-            a0, a1, a2 = _merged_step(s, a0, a1, a2, e0, e1, e2, w_d, s_d, act_e_row, n0, j0, SB, H, I, ROWS_PAD,
-                                      BLOCK_N, BLOCK_K, NS, CK)
+            a0, a1, a2 = _merged_step(s, a0, a1, a2, e0, e1, e2, w_d, s_d, act_e_row, wd_s, sd_s, act_s_row, ts,
+                                      n0, j0, SB, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, NS, CK)
     y = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
     if nr > 0:
         y = y + a0 * w0
@@ -418,17 +428,19 @@ def moe_down_group(wd_s, sd_s, act_s_row, ids_row, rw_row, act_e_row, w_d, s_d, 
     when j1 > K; one gemv_stream loop per GEMV, no prefetched chunk. A launch splits the K + 1 GEMVs of a
     tile into groups over more CTAs (a TP1 tile is 9 x 512 KB) and joins the groups' rows in group order."""
     y = tl.zeros((BLOCK_N, ROWS_PAD), dtype=tl.float32)
+    with_s = j1 < 0                                     # the shared expert inside the merged loop
     if MERGED > 0:          # MERGED = the group's slot count (<= 3) and I constexpr: one loop (same bits)
-        y = _routed_down_merged(ids_row, rw_row, act_e_row, w_d, s_d, n0, j0,
-                                tl.maximum(tl.minimum(j1, K) - j0, 0), E, H, I, ROWS_PAD, BLOCK_N, BLOCK_K,
-                                NUM_STAGES, MERGED, K)
+        nr = tl.maximum(tl.minimum(j1, K) - j0, 0)
+        with_s = (j1 > K) & (nr < MERGED) & (I_s == I)
+        y = _routed_down_merged(ids_row, rw_row, act_e_row, w_d, s_d, wd_s, sd_s, act_s_row, n0, j0, nr, with_s,
+                                E, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, MERGED, K)
     else:
         j = j0
         while j < tl.minimum(j1, K):
             y = y + _expert_down(expert_id(ids_row, j, E), tl.load(rw_row + j, cache_modifier=".cg"), w_d, s_d,
                                  act_e_row + j * I, n0, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
             j += 1
-    if j1 > K:
+    if (j1 > K) & (with_s == 0):
         y = y + gemv_stream(wd_s, sd_s, act_s_row, 0, 1, n0, 0, I_s, H, I_s, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
     return y
 
