@@ -39,6 +39,28 @@ def sm_count() -> int | None:
     return _STATE.get("sms")
 
 
+def kernel_resources(compiled) -> dict:
+    """schedule.kernel_resources of a kernel compiled here for the device, which this machine cannot load: registers
+    and stack bytes (n_spills: spills and call frames) from cuobjdump's resource report of its cubin, shared memory
+    and warps from its metadata. The tail's grid is fitted from them (launches/tail.py _fit_grid)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    name = compiled.metadata.name
+    m = re.search(rf"Function {re.escape(name)}:\s*\n\s*REG:(\d+) STACK:(\d+)", out)
+    if m is None:
+        raise RuntimeError(f"offline_build: no resource line for {name} in cuobjdump's report")
+    return {"n_regs": int(m.group(1)), "n_spills": int(m.group(2)), "shared": compiled.metadata.shared,
+            "num_warps": compiled.metadata.num_warps}
+
+
 def wheel_libtriton_hash(wheel: str) -> tuple[str, str]:
     """(version, sha256 hex of triton/_C/libtriton*.so) of a Triton wheel file, read without installing it."""
     with zipfile.ZipFile(wheel) as z:

@@ -22,6 +22,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from glm53_flash import offline_build  # noqa: E402
+from glm53_flash.config import preset  # noqa: E402
 
 
 def _fake_wheel(path, version, lib_bytes):
@@ -75,6 +76,37 @@ def test_prebuild_compiles_a_launch_for_sm90_without_running_it(tmp_path):
     grp = json.load(open(glob.glob(str(tmp_path / "there" / "*" / "__grp__kda_layer_kernel.json"))[0]))["child_paths"]
     assert len(grp) >= 3 and all(os.path.exists(p) and p.startswith(str(tmp_path / "there")) for p in grp.values())
     assert offline_build.fix_groups(str(tmp_path / "there")) == 0             # already pointing there
+
+
+def test_tail_fits_its_grid_offline(tmp_path):
+    """The tail launch fits its grid to its compiled kernel's registers and shared memory (launches/tail.py
+    _fit_grid); offline no driver can load the cubin, so offline_build.kernel_resources reads them from cuobjdump's
+    report: the nextn launch, which builds a tail, prebuilds too. Checked in a child (kernels not imported here)."""
+    script = """
+import sys, torch
+from glm53_flash import offline_build
+offline_build.enable(None)
+from glm53_flash.config import preset
+from glm53_flash.launches.tail import TailLaunch
+from glm53_flash.schedule import kernel_resources
+cfg = preset("tiny")
+H, V = cfg.hidden_size, cfg.vocab_size
+L = TailLaunch(cfg, torch.randn(V, H).bfloat16(), torch.ones(H).bfloat16(), None, tp_rank=0, tp_size=1, width=1,
+               device="cpu")
+L.X, L.rows = torch.zeros(1, cfg.hc_mult, H), 1         # as _fit_grid compiles it
+args, const = L.kernel_args(0, L.n_stages, 1, -1)
+res = kernel_resources(L.kernel().warmup(*args, grid=(L.grid,), **const, num_warps=L.num_warps))
+print("grid", L.grid, "regs", res["n_regs"], "warps", res["num_warps"], "shared", res["shared"])
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    words = r.stdout.split()
+    grid, regs, warps = int(words[words.index("grid") + 1]), int(words[words.index("regs") + 1]), \
+        int(words[words.index("warps") + 1])
+    assert 16 <= regs <= 255 and warps == 4
+    assert grid == min(-(-preset("tiny").vocab_size // 16), 4 * offline_build.H100_H200_SMS)   # the GPU's fit
 
 
 def test_enable_refuses_the_interpreter_and_loaded_kernels(monkeypatch):

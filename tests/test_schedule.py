@@ -58,6 +58,28 @@ def test_small_tasks_spread_over_ctas():
     assert [sum(s.tasks[t].family == "red" for t in prog) for prog in s.programs] == [2] * 8
 
 
+def test_overflow_goes_behind_the_earliest_stage():
+    """A stage with more tasks than idle CTAs puts the rest behind the earliest stage's tasks, not behind a join
+    stage's smaller ones: a join task ends when its inputs are all in (the KDA launch's mHC gate rows, 8 KB each,
+    end ~10 us in), so a GEMV tile queued behind it starts late and ends its stage late (H200 trace, 2026-12-05),
+    where by bytes alone the join's CTAs looked the least loaded."""
+    g = TaskGraph("k", {"part": 0, "gate": 1, "gemv": 2})
+    g.stage("hc_pre")
+    for i in range(4):
+        g.add("part", (i,), writes=("hp",), nbytes=25 << 10)
+    g.stage("gate_in")
+    for i in range(2):
+        g.add("gate", (i,), reads=("hp",), writes=("a",), nbytes=8 << 10)
+    g.stage("inproj")
+    for i in range(6):
+        g.add("gemv", (i,), reads=("a",), nbytes=128 << 10)
+    s = build(g, 8)
+    after = {s.tasks[p[i]].family: s.tasks[p[i - 1]].family for p in s.programs for i in range(1, len(p))}
+    behind = [s.tasks[p[i - 1]].family for p in s.programs for i in range(1, len(p)) if s.tasks[p[i]].family == "gemv"]
+    assert sorted(behind) == ["part"] * 4, behind          # 2 on the idle CTAs, 4 behind part, none behind gate
+    assert after.get("gate") is None                        # the gates went to idle CTAs of their own
+
+
 def test_table_matches_programs():
     g = _graph()
     s = build(g, 4)
