@@ -226,8 +226,9 @@ def _slot_key(here: int, last: int, load: int, c: int) -> tuple:
     """Which CTA takes a stage's next task: the least of this stage's cost, then (EARLY_FREE) the CTA whose last
     task is of the earliest stage, i.e. the one likely free soonest, then the least cost over all stages, then
     the lower CTA. Bytes alone rank a CTA behind a join task (an mHC gate row: 8 KB, but it waits for all 64
-    partial slots and ends ~10 us in) as idle: a KDA TP8 in_proj tile placed there started 10.9 us in and ended
-    its stage 3 us after the median tile (H200 trace, 2026-12-05)."""
+    partial slots and ends ~10 us in) as idle. It matters for latency-bound stages: sparse's hist task no longer
+    starts after its input, with its prologue on the path (-4.6 to -6.6 us, H100, 2026-12-05); a bandwidth-bound
+    stage (kda in_proj) ends with its stream wherever its last tile starts (no change)."""
     return (here, last, load, c) if EARLY_FREE else (here, load, c)
 
 
