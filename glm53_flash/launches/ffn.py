@@ -437,28 +437,36 @@ def _rank_sum_tiles(xchg, y, a0, a1, rows, width, tp_rank, tp_size, tag, hdr, si
 
 
 @triton.jit(noinline=True)
-def post1_task(xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, rdy, pid, tag, hdr,
+def post1_task(xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, a3, a4, rdy, pid, tag, hdr,
                timeout_ns, fault_site, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_C: tl.constexpr, NEXTN: tl.constexpr):
-    """o_sum (TP > 1): rank-order sum of the xo tiles a0 .. a0 + a1 - 1 -> y1, then as oproj_task (the cf1
-    wait first: it comes before this rank's xd, so a stall there starves every rank). -> (ok, rdy)."""
+    """o_sum (TP > 1): rows a3 .. a3 + a4 - 1 (those below `rows`) of tiles a0 .. a0 + a1 - 1: the rank-order sum
+    of their xo partials -> y1, then as oproj_task (the cf1 wait first: it comes before this rank's xd, so a stall
+    there starves every rank); producer a2 of hp2, which it signals whatever its rows. -> (ok, rdy)."""
     sb, sw, ss = sig_words(scratch, meta, B_HP2)                        # before the waits, as the rows (waitb)
     y1, coef1, xmid, part2 = _post_rows(scratch, meta)
+    RS: tl.constexpr = H if NEXTN else 4 * H                            # row stride of xs and xmid
+    nr = tl.maximum(tl.minimum(a4, rows - a3), 0)
+    xs, y1, coef1, xmid, part2 = xs + a3 * RS, y1 + a3 * H, coef1 + a3 * 24, xmid + a3 * RS, part2 + a3 * SLOT_W
     site = const_word(meta + M_SITE_XO)
     if WARM_CODE:
-        if not NEXTN:             # hc_post's code, warm (WARM_CODE): the rank sum's poll below is the long wait
-            post_partials(fn2, xs, y1, coef1, xmid, part2, rows, a0, a1, H, ROWS_PAD, BLOCK_N, BLOCK_C)
+        if not NEXTN:               # hc_post's code, warm (WARM_CODE): the rank sum's poll below is the long wait
+            if nr > 0:
+                post_partials(fn2, xs, y1, coef1, xmid, part2, nr, a0, a1, H, ROWS_PAD, BLOCK_N, BLOCK_C)
     if not NEXTN:
         ok, rdy = waitb(scratch, meta, B_CF1, rdy, pid, tag, hdr, timeout_ns)         # hc_post's coefficients
     else:
         ok = 1
     if ok != 0:
-        ok = _rank_sum_tiles(xo, y1, a0, a1, rows, width, tp_rank, tp_size, tag, hdr, site, pid, timeout_ns, H,
+        ok = _rank_sum_tiles(xo + a3 * H, y1, a0, a1, nr, width, tp_rank, tp_size, tag, hdr, site, pid, timeout_ns, H,
                              ROWS_PAD, BLOCK_N)
     trace_mark(hdr, pid, 1)                                          # the rank sums are stored
     if ok != 0:
-        _post_mixer(xs, fn2, y1, coef1, xmid, part2, rows, a0, a1, a2, tag, fault_site, sb, sw, ss, H, ROWS_PAD,
-                    BLOCK_N, BLOCK_C, NEXTN)
+        if nr > 0:
+            _post_mixer(xs, fn2, y1, coef1, xmid, part2, nr, a0, a1, a2, tag, fault_site, sb, sw, ss, H, ROWS_PAD,
+                        BLOCK_N, BLOCK_C, NEXTN)
+        else:                       # a row past the launch's rows: nothing to add, the box still counts it
+            signal_at(sb, sw, ss, a2, tag, fault_site)
     return ok, rdy
 
 

@@ -160,4 +160,5 @@ class KdaLaunch(KdaLayerLaunch):
             self._peers(g, "peer_d", ranges, "xd")
             g.stage("down_sum")
             for (t0, n) in ranges:
-                g.add("post2", (t0, n), reads=("xd",), nbytes=tp * W * n * BN * 8)
+                for r in range(W):          # a task a row (ffn_tasks.post2_task)
+                    g.add("post2", (t0, n, 0, r, 1), reads=("xd",), nbytes=tp * n * BN * 8)

@@ -235,8 +235,8 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                                      ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, BLOCK_C, ACT_F32, False)
             elif fam == 6:                                 # post1: rank sum of tiles a0 .., producer a2
                 ok, rdy = post1_task(_streams(X, scratch, meta, EMBED), fn2, xo, scratch, meta, rows, width, tp_rank,
-                                     tp_size, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, H, ROWS_PAD,
-                                     BLOCK_N, BLOCK_C, False)
+                                     tp_size, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns, fault_site, H,
+                                     ROWS_PAD, BLOCK_N, BLOCK_C, False)
             elif fam == 7:                                 # gate2: columns [a0, a0 + GATE_BH), producer a1
                 ok, rdy = gate_task(f32_at(scratch, meta, M_XMID), base2, scale2, ln2, scratch, meta, rows, a0, a1,
                                     a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, runtime_i32(1), H,

@@ -377,10 +377,16 @@ class KdaLayerLaunch(Launch):
             ranges = self._gemv_stage(g, "oproj", H, row_bytes, ("o",), ("xo",), None, ret_ranges=True)
             self._peers(g, "peer_o", ranges, "xo")
             g.stage("o_sum")
-            for s, (t0, n) in enumerate(ranges):
-                g.add("post1", (t0, n, s), reads=("xo",) + self._hc_post_reads("cf1"), writes=("hp2",),
-                      nbytes=tp * W * n * BN * 8)
-            self.n_box["hp2"] = len(ranges)
+            # one task per (tile range, row): a task's rank sum and hc_post + partials walk its rows one after
+            # another (a round trip a row and a (chunk, row) step), so at 8 rows o_sum took 40 us of the path
+            # where 1 row takes ~4 (H100 traces, 2026-12-05). A row's work and bits are the same either way.
+            s = 0
+            for (t0, n) in ranges:
+                for r in range(W):
+                    g.add("post1", (t0, n, s, r, 1), reads=("xo",) + self._hc_post_reads("cf1"), writes=("hp2",),
+                          nbytes=tp * n * BN * 8)
+                    s += 1
+            self.n_box["hp2"] = s
 
     def _graph_gate_ffn(self, g) -> None:
         g.stage("gate_ffn")
@@ -400,7 +406,8 @@ class KdaLayerLaunch(Launch):
             self._peers(g, "peer_d", ranges, "xd")
             g.stage("down_sum")
             for (t0, n) in ranges:
-                g.add("post2", (t0, n), reads=("xd",), nbytes=tp * W * n * BN * 8)
+                for r in range(W):          # a task a row (ffn_tasks.post2_task)
+                    g.add("post2", (t0, n, 0, r, 1), reads=("xd",), nbytes=tp * n * BN * 8)
 
     def _gemv_stage(self, g, fam, N, row_bytes, reads, writes, box, ret_ranges=False, k_split=1):
         """Tasks (t0, n tiles, producer, K slice) of a weight-streaming GEMV stage: tile ranges over the grid,
