@@ -183,6 +183,28 @@ def test_dense_tp2_simulated_and_fault(tiny_cfg, tiny_weights, tiny_ref, gen, on
                    label="tp2")
 
 
+def test_dense_tp2_row_groups_same_bits(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch):
+    """post1 / post2 split their rows over tasks (layer_host.rows_per_task): groups of 2 of a width-4 launch running 3
+    rows (the second group has one live row) give the same bits as one task taking every row, on every rank."""
+    from glm53_flash.launches import layer_host
+    X, caches = make_step(tiny_cfg, tiny_ref, DENSE_LAYER, 3, gen)
+    fresh = [(X, *rank_state(tiny_cfg, caches, DENSE_LAYER, r, 2)) for r in range(2)]
+    outs, states = {}, {}
+    for nominal in (8, 1):          # 4 tile ranges: 8 // 4 = 2 groups of 2 rows; 1: a single group of all 4
+        ins = states[nominal] = [(x, s.clone(), w.clone()) for x, s, w in fresh]     # a run commits its state
+        monkeypatch.setattr(layer_host, "NOMINAL_GRID", nominal)
+        xchg = new_xchg(tiny_cfg, 2, 4, "cpu")
+        Ls = [DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, tp_rank=r, tp_size=2, width=4, xchg=xchg) for r in range(2)]
+        groups = sorted({(t.args[3], t.args[4]) for t in Ls[0].schedule.tasks if t.family in ("post1", "post2")})
+        assert groups == ([(0, 2), (2, 2)] if nominal == 8 else [(0, 4)]), groups
+        outs[nominal] = run_tp(Ls, ins)
+    for r in range(2):
+        assert torch.equal(outs[8][r], outs[1][r])
+        assert torch.equal(states[8][r][1], states[1][r][1]) and torch.equal(states[8][r][2], states[1][r][2])
+        check_step(Ls[r], outs[1][r], states[1][r][1], states[1][r][2], tiny_ref, caches, DENSE_LAYER, X, TOL_BF16,
+                   tp=2, rank=r, label="row groups")
+
+
 def test_dense_tp2_loopback(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
     # one "GPU" per rank in loopback: pass 1 gives every rank's o_proj partial (it needs no peer), pass 2
     # with those gives the down partials, pass 3 with both gives the full layer on every rank

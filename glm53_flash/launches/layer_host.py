@@ -26,7 +26,7 @@ from layout import Planner
 
 from .. import schedule as sched_mod
 from .. import tp as tp_mod
-from ..schedule import TASK_COST_FLOOR, TaskGraph, choose_k_split
+from ..schedule import NOMINAL_GRID, TASK_COST_FLOOR, TaskGraph, choose_k_split
 from ..weights import PREFIX, weight_specs
 from .base import Launch, check_rank_width, interpreting, run_interleaved
 from .ffn import BOX_BASE_H as BOX_BASE
@@ -381,10 +381,11 @@ class KdaLayerLaunch(Launch):
             # another (a round trip a row and a (chunk, row) step), so at 8 rows o_sum took 40 us of the path
             # where 1 row takes ~4 (H100 traces, 2026-12-05). A row's work and bits are the same either way.
             s = 0
+            per = self.rows_per_task(len(ranges))
             for (t0, n) in ranges:
-                for r in range(W):
-                    g.add("post1", (t0, n, s, r, 1), reads=("xo",) + self._hc_post_reads("cf1"), writes=("hp2",),
-                          nbytes=tp * n * BN * 8)
+                for r in range(0, W, per):
+                    g.add("post1", (t0, n, s, r, per), reads=("xo",) + self._hc_post_reads("cf1"), writes=("hp2",),
+                          nbytes=tp * min(per, W - r) * n * BN * 8)
                     s += 1
             self.n_box["hp2"] = s
 
@@ -405,9 +406,10 @@ class KdaLayerLaunch(Launch):
             ranges = self._gemv_stage(g, "down", H, self.I * wb, ("h", "cf2"), ("xd",), None, ret_ranges=True)
             self._peers(g, "peer_d", ranges, "xd")
             g.stage("down_sum")
+            per = self.rows_per_task(len(ranges))
             for (t0, n) in ranges:
-                for r in range(W):          # a task a row (ffn_tasks.post2_task)
-                    g.add("post2", (t0, n, 0, r, 1), reads=("xd",), nbytes=tp * n * BN * 8)
+                for r in range(0, W, per):  # rows split over tasks (ffn_tasks.post2_task)
+                    g.add("post2", (t0, n, 0, r, per), reads=("xd",), nbytes=tp * min(per, W - r) * n * BN * 8)
 
     def _gemv_stage(self, g, fam, N, row_bytes, reads, writes, box, ret_ranges=False, k_split=1):
         """Tasks (t0, n tiles, producer, K slice) of a weight-streaming GEMV stage: tile ranges over the grid,
@@ -438,6 +440,13 @@ class KdaLayerLaunch(Launch):
         """schedule.py choose_k_split for an N x K weight of wbytes per element in this launch's tiles."""
         step = self.block_n * min(self.block_k, 128) * wbytes
         return choose_k_split(-(-N // self.block_n), K // min(self.block_k, 128), step)
+
+    def rows_per_task(self, n_ranges: int) -> int:
+        """Rows a task of a row-walking stage (post1, post2) takes: the rows split into as many groups as the
+        nominal grid leaves room for beside the stage's n_ranges tile ranges (one wave). A row's work and bits do
+        not depend on its group, so this may follow the grid; the nominal one keeps CPU tests on the split path."""
+        groups = max(1, min(self.width, NOMINAL_GRID // max(1, n_ranges)))
+        return -(-self.width // groups)
 
     def _peers(self, g, fam, ranges, region) -> None:
         if not self.loopback:
