@@ -210,6 +210,14 @@ def test_gpu_check_path_on_cpu(tiny_cfg, gen, one_thread):
     assert all(v <= 1e-2 for v in errs.values()), errs
 
 
+def test_gpu_check_path_on_cpu_tp2_rows_below_width(tiny_cfg, gen, one_thread):
+    """nextn_check at TP 2 (loopback), 2 rows, then row 0 alone in a width-2 launch: down_sum's tasks are (tile
+    range, row group), and a group past the launch's rows must still count in box z (the GPU test at TP8, row 0
+    alone at width 8, once timed out at nextn.z there)."""
+    errs = nextn_check(tiny_cfg, [27, 21], 2, "bf16", device="cpu", widths=(2,), fault_sites=["nextn.z"])
+    assert all(v <= 1e-2 for v in errs.values()), errs
+
+
 def test_check_greedy_is_tie_aware():
     ref = torch.tensor([[1.0, 3.0, 2.9995], [0.0, 1.0, 5.0]])
     out = ref + torch.tensor([[0.0, 0.0, 0.001], [0.0, 0.0, 0.0]])          # row 0: a near-tie flips

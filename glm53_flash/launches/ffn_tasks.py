@@ -206,20 +206,22 @@ def down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size,
 def post2_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, a3, a4, pid, tag, hdr, timeout_ns,
                fault_site, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NEXTN: tl.constexpr,
                B_Z: tl.constexpr):
-    """down_sum (TP > 1): rank-order sum of the xd tiles a0 .. a0 + a1 - 1 -> y2, then _post_ffn; rows a3 .. a3 +
-    a4 - 1 of them (those below `rows`), or every row with a4 == 0 (the NextN graph, whose z box counts one task
-    a tile range). A row's work and bits are the same either way; split, the rows run on separate CTAs instead
-    of one after another (8 rows: post2 own 10.6 us where 1 row takes 1.9, H100 trace). -> ok."""
+    """down_sum (TP > 1): rows a3 .. a3 + a4 - 1 (those below `rows`) of tiles a0 .. a0 + a1 - 1: the rank-order
+    sum of their xd partials -> y2, then _post_ffn. A row's work and bits do not depend on its group; split, the
+    rows run on separate CTAs instead of one after another (8 rows: post2 own 10.6 us where 1 row takes 1.9, H100
+    trace). NEXTN: producer a2 of box z, which it signals whatever its rows (the box counts every task). -> ok."""
     xmid, y2, coef2 = _ffn_rows(scratch, meta)                          # meta words before the waits (ffn.waitb)
     sb, sw, ss = sig_words(scratch, meta, B_Z)
     RS: tl.constexpr = H if NEXTN else 4 * H                            # row stride of xmid and X_out
-    r0 = tl.where(a4 == 0, 0, a3)
-    nr = tl.where(a4 == 0, rows, tl.maximum(tl.minimum(a4, rows - a3), 0))
-    ok = _rank_sum_tiles(xd + r0 * H, y2 + r0 * H, a0, a1, nr, width, tp_rank, tp_size, tag, hdr,
+    nr = tl.maximum(tl.minimum(a4, rows - a3), 0)
+    ok = _rank_sum_tiles(xd + a3 * H, y2 + a3 * H, a0, a1, nr, width, tp_rank, tp_size, tag, hdr,
                          const_word(meta + M_SITE_XD), pid, timeout_ns, H, ROWS_PAD, BLOCK_N)
-    if (ok != 0) & (nr > 0):
-        _post_ffn_at(X_out + r0 * RS, xmid + r0 * RS, y2 + r0 * H, coef2 + r0 * 24, sb, sw, ss, nr, a0, a1, a2, tag,
-                     fault_site, H, BLOCK_N, NEXTN)
+    if ok != 0:
+        if nr > 0:
+            _post_ffn_at(X_out + a3 * RS, xmid + a3 * RS, y2 + a3 * H, coef2 + a3 * 24, sb, sw, ss, nr, a0, a1, a2,
+                         tag, fault_site, H, BLOCK_N, NEXTN)
+        elif NEXTN:                 # a group past the launch's rows: nothing to add, box z still counts it
+            signal_at(sb, sw, ss, a2, tag, fault_site)
     return ok
 
 
