@@ -348,6 +348,13 @@ def gpu_layer_check(cls, layer, tp, width, fmt, fault_sites=None):
         o1 = L1.run(x_in[:1], ins[0][0][:1].clone(), ins[0][1][:1].clone(), peer=pr, commit=False)
         assert torch.equal(o1[0], outs[0][0]), f"row 0 differs at width {w1}"
         assert torch.equal(L1.S_out[0], L.S_out[0]) and torch.equal(L1.W_out[0], L.W_out[0]), w1
+    if rows > 1:            # and the last row alone: its MMA column is rows - 1 in the batch, 0 alone (the MoE
+        r = rows - 1        # items serve every row that chose an expert at once)
+        L1 = cls(cfg, w, layer, tp_rank=0, tp_size=tp, width=1, device="cuda", scales=scales)
+        pr = None if tp == 1 else {p: (po[p][r:r + 1], pd[p][r:r + 1]) for p in po if p != 0}
+        o1 = L1.run(x_in[r:r + 1], ins[0][0][r:r + 1].clone(), ins[0][1][r:r + 1].clone(), peer=pr, commit=False)
+        assert torch.equal(o1[0], outs[0][r]), f"row {r} alone differs from its place in the batch"
+        assert torch.equal(L1.S_out[0], L.S_out[r]) and torch.equal(L1.W_out[0], L.W_out[r])
     S0, W0 = ins[0][0].clone(), ins[0][1].clone()
     for site in (fault_sites or L.sites):
         t0 = time.perf_counter()

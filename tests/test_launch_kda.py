@@ -51,6 +51,47 @@ def test_kda_batch_and_grid_invariance(tiny_cfg, tiny_weights, tiny_ref, gen, on
     assert torch.equal(c[0], a[1]) and torch.equal(S1[0], S2[1]) and torch.equal(W1[0], W2[1])
 
 
+def test_kda_experts_read_once_for_rows_sharing_them(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
+    """The experts stage's items are (distinct expert, tile, K slice): rows 0 and 2 given the same input pick the
+    same experts, so each of those items serves both rows (MMA columns 0 and 2). Both rows' bits are the same,
+    equal to row 2 run alone, the other rows' equal to theirs alone, every expert plane entry of the rows written
+    (NaN-poisoned scratch), and the launch matches the reference."""
+    X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 3, gen)
+    k = tiny_cfg.kda_layers.index(KDA_LAYER)
+    X[2] = X[0]
+    caches.kda_state[2, k] = caches.kda_state[0, k]
+    caches.conv_window[2, k] = caches.conv_window[0, k]
+    S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
+    L = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=4)
+    poison_scratch(L)
+    out = L.run(X, S2 := S.clone(), W2 := W.clone())
+    ids = L.layout.view(L.scratch, "ids_rec")[:3]
+    assert torch.equal(ids[0], ids[2]) and len(set(ids.flatten().tolist())) < ids.numel()
+    assert torch.equal(out[0], out[2]) and torch.equal(S2[0], S2[2])
+    for r in (1, 2):
+        S1, W1 = S[r:r + 1].clone(), W[r:r + 1].clone()
+        alone = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=1).run(X[r:r + 1].clone(), S1, W1)
+        assert torch.equal(alone[0], out[r]) and torch.equal(S1[0], S2[r]), f"row {r} differs from its run alone"
+    check_step(L, out, S2, W2, tiny_ref, caches, KDA_LAYER, X, TOL_BF16, label="shared-experts")
+
+
+def test_expert_slots_follow_the_width():
+    """expert_slots at the real shapes (TP8, 288 experts, top-8): one slot an item at 1 row, as the per-choice
+    slots were; 8 rows take one wave of the nominal grid, every slot at most ceil(64 experts' items / slots)."""
+    from glm53_flash.config import preset
+    from glm53_flash.schedule import NOMINAL_GRID
+    cfg = preset("glm53-flash")
+    for width in (1, 2, 8):
+        L = KdaLaunch.__new__(KdaLaunch)
+        L.width, L.KE, L.E, L.block_n = width, cfg.num_experts_per_tok, cfg.n_routed_experts, 64
+        L.I_E, L.ks_e = cfg.moe_intermediate_size // 8, 8
+        items = (L.I_E // 64) * 8
+        slots, per = L.expert_slots()
+        most = min(width * L.KE, L.E) * items
+        assert slots <= most and slots * per >= most and (per - 1) * slots < most
+        assert slots == (L.KE * items if width == 1 else max(L.KE * items, NOMINAL_GRID))
+
+
 def test_kda_trace_every_task_same_bits(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
     """A traced launch (TRACE build) gives the same bits and a (start, end) row for every task and CTA;
     the report names every stage and walks a critical path that ends at the last task."""

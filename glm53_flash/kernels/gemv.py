@@ -418,6 +418,16 @@ def gemv_store(y_ptr, stride_y, acc, rows, n0, N, ROWS_PAD: tl.constexpr, BLOCK_
     tl.store(y_ptr + offs_r[None, :] * stride_y + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def gemv_store_at(y_ptr, row_off, row_ok, acc, n0, N, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                  GAP: tl.constexpr = 0):
+    """gemv_store with a place per row: y[row_off[r] + n0 + j] = acc[j, r] for rows where row_ok[r] (row_off,
+    row_ok: [ROWS_PAD] tensors), n0 + j < N; GAP as gemv_store's."""
+    offs_n, valid_n = _tile_rows(n0, N, BLOCK_N, GAP)
+    mask = valid_n[:, None] & row_ok[None, :]
+    tl.store(y_ptr + row_off[None, :] + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["rows", "split_len"])
 def gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, rows, N, K, stride_x, stride_y, stride_ys, split_len,
                 ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr,

@@ -8,8 +8,9 @@ Stages (host side: layer_host.py _ffn_graph for dense, kda.py _ffn_graph for the
             raw fp32 gate and up partial planes -> hpart [KS_GU, width, 2, I]               box hg
   router    (MoE) logit partials over ROUTER_PARTS K ranges -> part_r                        box rl
   route     (MoE) one task per row: joins the row's partials, top-k -> the record (ids, w)  box sel
-  expert    (MoE) slot (row, rank j, tile, K slice of KS_E): streams its K slice of the chosen
-            expert's gate|up tile -> epart [KS_E, width, KE, 2, I_E]                         box xe
+  expert    (MoE) slots over the (distinct expert, tile, K slice of KS_E) items the record names:
+            an expert's gate|up K slice once, for every row that chose it -> epart [KS_E, width, KE, 2, I_E]
+                                                                                             box xe
   act       joins the planes in plane order, clamped SwiGLU, bf16: kind 0 the dense / shared h
             columns (waits hg), kind 1 a row's expert activations act_e (waits xe)           box h
             (act_fold, 1-2 rows: no kind 1 tasks; moe_down waits xe and joins its group's itself)
@@ -31,9 +32,9 @@ import triton.language as tl
 from sync.asm import fence_acq_rel
 from sync.device import const_word, trace_mark
 
-from ..kernels.gemv import gemv_store, gemv_stream, plane_sum
+from ..kernels.gemv import gemv_store, gemv_store_at, gemv_stream, plane_sum
 from ..kernels.mlp import swiglu_clamped
-from ..kernels.moe import (expert_id, moe_down_group, router_finish, router_logits, router_prefetch,
+from ..kernels.moe import (moe_down_group, router_finish, router_logits, router_prefetch,
                            router_store_partial, router_store_record, router_topk)
 from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACT_CTA, M_ACT_FOLD, M_ACTE, M_COEF2, M_DPART,
                   M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles,
@@ -277,30 +278,98 @@ def _route_record(part, nrpart, ids_out, w_out, bias_r, width, scaling, hdr, pid
     trace_mark(hdr, pid, 3)                                              # the record is stored
 
 
+@triton.jit
+def _distinct_experts(ids, rows, E, KE: tl.constexpr, ROWS_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    """The record's distinct experts in order of first choice ((row, rank) order): (v, first, rank) over the
+    flat [ROWS_PAD * K_PAD] (row, rank) entries: v the expert (clamped into [0, E) so a bad record cannot read
+    out of bounds; -1 past the rows), first whether the entry is its expert's first choice, rank the number of
+    first choices before it (the distinct expert's index d where first). .cg: another CTA wrote the record."""
+    N: tl.constexpr = ROWS_PAD * K_PAD
+    i = tl.arange(0, N)
+    r = i // K_PAD
+    j = i % K_PAD
+    v = tl.load(ids + r * KE + j, mask=(r < rows) & (j < KE), other=-1, cache_modifier=".cg")
+    v = tl.where(v < 0, tl.where((r < rows) & (j < KE), 0, -1), tl.minimum(v, E - 1))
+    earlier = (v[:, None] == v[None, :]) & (i[None, :] < i[:, None])
+    first = (v >= 0) & (tl.max(earlier.to(tl.int32), axis=1) == 0)
+    rank = tl.cumsum(first.to(tl.int32), axis=0) - first.to(tl.int32)
+    return v, first, rank
+
+
 @triton.jit(noinline=True)
-def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns, fault_site,
+def expert_item(w_gu, s_gu, x, part, ids, rows, e, j1, i0, k0, E: tl.constexpr, KE: tl.constexpr,
+                I_E: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, KL: tl.constexpr, K_PAD: tl.constexpr):
+    """K slice [k0, k0 + KL) of expert e's gate|up tile i0 against every row's x (x [rows, H]), stored for each
+    row that chose e at its (row, rank) place of the plane part [width, KE, 2, I_E] (j1 >= 0: one row, which
+    chose e at rank j1). A call (as gateup_part_tile): the item loop around it keeps no index tensors of the K
+    loop live."""
+    rr = tl.arange(0, ROWS_PAD)
+    if j1 >= 0:
+        row_ok = rr == 0
+        row_off = rr * 0 + j1 * (2 * I_E)
+    else:
+        jj = tl.arange(0, K_PAD)
+        rec = tl.load(ids + rr[:, None] * KE + jj[None, :], mask=(rr[:, None] < rows) & (jj[None, :] < KE),
+                      other=-1, cache_modifier=".cg")
+        hit = tl.minimum(tl.maximum(rec, 0), E - 1) == e                # as _distinct_experts clamps: at most
+        hit = hit & (rr[:, None] < rows) & (jj[None, :] < KE)           # one rank a row (top-k picks differ)
+        row_ok = tl.max(hit.to(tl.int32), axis=1) != 0
+        row_off = (rr * KE + tl.sum(tl.where(hit, jj[None, :], 0), axis=1)) * (2 * I_E)
+    e64 = e.to(tl.int64)
+    wgu = w_gu + e64 * 2 * I_E * H
+    if w_gu.dtype.element_ty == tl.float8e4nv:
+        nkb: tl.constexpr = (H + 127) // 128
+        sgu = s_gu + e64 * (2 * (I_E // 128) * nkb)
+    else:
+        sgu = wgu
+    PK: tl.constexpr = BLOCK_K if w_gu.dtype.element_ty == tl.float8e4nv else BLOCK_K // 2
+    acc = gemv_stream(wgu, sgu, x, H, rows, i0, k0, k0 + KL, I_E, H, ROWS_PAD, 2 * BLOCK_N, PK, NUM_STAGES, False,
+                      I_E)
+    gemv_store_at(part, row_off, row_ok, acc, i0, I_E, ROWS_PAD, 2 * BLOCK_N, I_E)
+
+
+@triton.jit(noinline=True)
+def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a4, rdy, pid, tag, hdr, timeout_ns, fault_site,
                 E: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr,
-                KS: tl.constexpr):
-    """Expert slot (row a0, rank a1, tile a2, K slice a3 of KS) after the sel wait, producer a4 of xe: streams
-    its K slice of the chosen expert's gate|up tile into epart plane a3. -> (ok, rdy)."""
+                KS: tl.constexpr, K_PAD: tl.constexpr):
+    """Expert slot a0 of a1 after the sel wait, producer a4 of xe: work items a0, a0 + a1, ... of the (distinct
+    expert d, tile t, K slice ks) items the record names (launches/kda.py expert_slots). An item streams its K
+    slice of expert d's gate|up tile once, every row's x against it, and stores each row that chose d at its
+    (row, rank) place of epart plane ks: a row's tile is the same MMA column work it was alone, so the same bits,
+    and the expert's weights are read once however many rows chose it (8 rows: ~23 distinct of 64 picks in
+    time_layers' routing). -> (ok, rdy)."""
     ids = i32_at(scratch, meta, M_IDS)                                  # meta words before the wait (see waitb)
-    x = act_at(scratch, meta, M_A, ACT_F32) + a0 * H
+    x = act_at(scratch, meta, M_A, ACT_F32)
+    epart = f32_at(scratch, meta, M_EPART)
     KL: tl.constexpr = H // KS
-    part = f32_at(scratch, meta, M_EPART) + a3 * width * KE * 2 * I_E + (a0 * KE + a1) * 2 * I_E
+    TPE: tl.constexpr = ((I_E + BLOCK_N - 1) // BLOCK_N) * KS          # items of one expert
     sb, sw, ss = sig_words(scratch, meta, B_XE)
     ok, rdy = waitb(scratch, meta, B_SEL, rdy, pid, tag, hdr, timeout_ns)
-    if (ok != 0) & (a0 < rows):
-        e = expert_id(ids, a0 * KE + a1, E)
-        wgu = w_gu + e * 2 * I_E * H
-        if w_gu.dtype.element_ty == tl.float8e4nv:
-            nkb: tl.constexpr = (H + 127) // 128
-            sgu = s_gu + e * (2 * (I_E // 128) * nkb)
-        else:
-            sgu = wgu
-        gateup_part_tile(wgu, sgu, x, 0, part, 1, a2 * BLOCK_N, a3 * KL, a3 * KL + KL, I_E, H, ROWS_PAD, BLOCK_N,
-                         BLOCK_K, NUM_STAGES)
-    trace_mark(hdr, pid, 1)                                          # the slot's partial tile is stored
+    if (ok != 0) & (rows == 1):     # one row: its picks differ, so expert d is its rank d (no record join, whose
+        w = a0                      # cross-warp reductions cost the 1-row path ~2-4 us, H100 trace)
+        while w < KE * TPE:
+            d = w // TPE
+            e = tl.minimum(tl.maximum(tl.load(ids + d, cache_modifier=".cg"), 0), E - 1)
+            ks = w % KS
+            expert_item(w_gu, s_gu, x, epart + ks * (width * KE * 2 * I_E), ids, rows, e, d,
+                        ((w % TPE) // KS) * BLOCK_N, ks * KL, E, KE, I_E, H, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES,
+                        KL, K_PAD)
+            w += a1
+    elif ok != 0:
+        v, first, rank = _distinct_experts(ids, rows, E, KE, ROWS_PAD, K_PAD)
+        n_items = tl.sum(first.to(tl.int32), axis=0) * TPE
+        w = a0
+        while w < n_items:
+            d = w // TPE
+            e = tl.sum(tl.where(first & (rank == d), v, 0), axis=0)
+            ks = w % KS
+            expert_item(w_gu, s_gu, x, epart + ks * (width * KE * 2 * I_E), ids, rows, e, -1,
+                        ((w % TPE) // KS) * BLOCK_N, ks * KL, E, KE, I_E, H, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES,
+                        KL, K_PAD)
+            w += a1
+    trace_mark(hdr, pid, 1)                                          # the slot's partial tiles are stored
     if ok != 0:
         signal_at(sb, sw, ss, a4, tag, fault_site)
     return ok, rdy
@@ -472,11 +541,11 @@ def ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_
         if MOE:
             ok, rdy = router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns,
                                   fault_site, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES, ACT_F32)
-    elif fam == 43:                                    # expert slot: row a0, rank a1, tile a2, K slice a3
+    elif fam == 43:                                    # expert slot a0 of a1 (its items), producer a4
         if MOE:
-            ok, rdy = expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr,
-                                  timeout_ns, fault_site, E, KE, I_E, H, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES,
-                                  ACT_F32, KS_E)
+            ok, rdy = expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a4, rdy, pid, tag, hdr, timeout_ns,
+                                  fault_site, E, KE, I_E, H, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, ACT_F32, KS_E,
+                                  K_PAD)
     elif fam == 47:                                    # route: row a0's expert choice, producer a1
         if MOE:
             ok, rdy = route_task(bias_r, scratch, meta, rows, width, a0, a1, rdy, pid, tag, hdr, timeout_ns,

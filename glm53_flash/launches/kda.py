@@ -6,8 +6,8 @@ The mixer half is the shared KDA layer launch (launches/kda_layer.py, layer_host
              logits) -> rl, and the shared expert's gate|up K slices -> hpart planes (hg)
   route      [waits rl] one task per row: the row's top-k -> its record (ids, weights) (sel); the
              shared expert's act tasks ride here ([waits hg] -> h)
-  experts    [waits sel] static slots (row, rank j, intermediate tile, K slice): the chosen expert's
-             gate|up slice -> epart planes (xe)
+  experts    [waits sel] slots over the (distinct expert, intermediate tile, K slice) items the record
+             names: an expert's gate|up slice read once for every row that chose it -> epart planes (xe)
   act        [waits xe] the expert planes joined, clamped SwiGLU -> act_e (h); only wider than act_fold_width
              rows: up to it (1-2 rows) moe_down waits xe and joins its own expert group's activations
   down       [waits h] per row: the k experts' down tiles in rank order times their weights, then the
@@ -24,7 +24,7 @@ import torch
 
 from ..kernels.moe import pack_experts
 from .ffn_tasks import ACT_COLS, ROUTER_BLOCK_E
-from ..schedule import choose_groups
+from ..schedule import NOMINAL_GRID, choose_groups
 from .layer_host import KdaLayerLaunch
 
 RCK = 32            # router K step (kernels/moe.py ROUTER_CK)
@@ -101,6 +101,18 @@ class KdaLaunch(KdaLayerLaunch):
             raise ValueError(f"{self.kind}: down_groups={self.kg} must divide the {self.KE + 1} expert GEMVs of a tile")
         self.act_fold = self.width <= self.act_fold_width
 
+    def expert_slots(self) -> tuple[int, int]:
+        """(slots, items a slot takes at most) of the experts stage. Its work items are (distinct expert, tile,
+        K slice): each chosen expert's gate|up weights are read once whatever the width, every row that chose
+        it applied to the same tile (ffn_tasks.expert_task). Which experts, and how many, the record says at
+        run time; the graph is static, so slot q takes items q, q + slots, ... of those there are. As many
+        slots as one row's items (every slot one item at 1 row, as before) or one wave of the nominal grid,
+        whichever is more, and never more than the most items there can be (every row's picks distinct)."""
+        items = -(-self.I_E // self.block_n) * self.ks_e
+        most = min(self.width * self.KE, self.E) * items
+        slots = min(most, max(self.KE * items, NOMINAL_GRID))
+        return slots, -(-most // slots)
+
     def _ffn_graph(self, g, wb: int) -> None:
         H, tp, BN, W = self.H, self.tp_size, self.block_n, self.width
         wbe = 1 if self.w_gu.dtype == torch.float8_e4m3fn else 2
@@ -120,16 +132,11 @@ class KdaLaunch(KdaLayerLaunch):
         self.n_box["sel"] = W
         prod = self._act_tasks(g, 0)                    # the shared expert's h: off the critical path here
         g.stage("experts")
-        tiles = -(-self.I_E // BN)
-        slot = 0
-        for ks in range(self.ks_e):
-            for r in range(W):
-                for j in range(self.KE):
-                    for t in range(tiles):
-                        g.add("expert", (r, j, t, ks, slot), reads=("sel",), writes=("xe",),
-                              nbytes=2 * BN * H * wbe // self.ks_e)
-                        slot += 1
-        self.n_box["xe"] = slot
+        n_slots, per_slot = self.expert_slots()
+        for q in range(n_slots):
+            g.add("expert", (q, n_slots, 0, 0, q), reads=("sel",), writes=("xe",),
+                  nbytes=per_slot * 2 * BN * H * wbe // self.ks_e)
+        self.n_box["xe"] = n_slots
         n = self.KE * self.I_E
         if not self.act_fold:
             g.stage("act")
