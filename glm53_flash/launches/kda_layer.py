@@ -211,9 +211,9 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
             if TRACE:                                      # where the launch's time goes
                 t_task = trace_clock(i)
                 c_task = trace_cycles(i)
-            if fam == 0:                                   # part: column tiles a0 .. a0 + a1 - 1, producer a2
+            if fam == 0:                                   # part: column tiles a0 .. + a1, producer a2, rows a3 .. + a4
                 hc_pre_task(_streams(X, scratch, meta, EMBED), fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2,
-                            tag, fault_site, H, ROWS_PAD, BLOCK_N, BLOCK_C, EMBED)
+                            a3, a4, tag, fault_site, H, ROWS_PAD, BLOCK_N, BLOCK_C, EMBED)
             elif fam == 1:                                 # gate1: columns [a0, a0 + GATE_BH), producer a1
                 ok, rdy = gate_task(_streams(X, scratch, meta, EMBED), base1, scale1, ln1, scratch, meta, rows, a0, a1,
                                     a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, runtime_i32(0), H,

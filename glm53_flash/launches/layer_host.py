@@ -327,9 +327,14 @@ class KdaLayerLaunch(Launch):
         self.block_c = 32
         n_col = H // BN
         parts = _ranges(n_col, min(G, n_col))
-        for s, (t0, n) in enumerate(parts):
-            g.add("part", (t0, n, s), writes=("hp1",), nbytes=n * BN * (24 * 4 * 4 + W * 4 * 4))
-        self.n_box["hp1"] = len(parts)
+        per = self.rows_per_task(len(parts))           # rows split over tasks, as post1 (ffn.hc_pre_task)
+        s = 0
+        for (t0, n) in parts:
+            for r in range(0, W, per):
+                g.add("part", (t0, n, s, r, per), writes=("hp1",),
+                      nbytes=n * BN * (24 * 4 * 4 + min(per, W - r) * 4 * 4))
+                s += 1
+        self.n_box["hp1"] = s
         self.npart1 = self.npart2 = n_col
         self.gate_bh = min(512, H)
         g.stage("gate_in")
@@ -442,7 +447,7 @@ class KdaLayerLaunch(Launch):
         return choose_k_split(-(-N // self.block_n), K // min(self.block_k, 128), step)
 
     def rows_per_task(self, n_ranges: int) -> int:
-        """Rows a task of a row-walking stage (post1, post2) takes: the rows split into as many groups as the
+        """Rows a task of a row-walking stage (part, post1, post2) takes: the rows split into as many groups as the
         nominal grid leaves room for beside the stage's n_ranges tile ranges (one wave). A row's work and bits do
         not depend on its group, so this may follow the grid; the nominal one keeps CPU tests on the split path."""
         groups = max(1, min(self.width, NOMINAL_GRID // max(1, n_ranges)))

@@ -412,9 +412,9 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
             if TRACE:                                      # where the launch's time goes
                 t_task = trace_clock(i)
                 c_task = trace_cycles(i)
-            if fam == 0:                                   # part: column tiles a0 .. a0 + a1 - 1, producer a2
+            if fam == 0:                                   # part: column tiles a0 .. + a1, producer a2, rows a3 .. + a4
                 if not NEXTN:
-                    hc_pre_task(X, fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2, tag, fault_site, H,
+                    hc_pre_task(X, fn1, tokens, embed_w, scratch, meta, rows, a0, a1, a2, a3, a4, tag, fault_site, H,
                                 ROWS_PAD, BLOCK_N, BLOCK_C, False)
             elif fam == 1:                                 # gate1: columns [a0, a0 + GATE_BH), producer a1
                 if not NEXTN:
