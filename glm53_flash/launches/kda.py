@@ -166,7 +166,4 @@ class KdaLaunch(KdaLayerLaunch):
         if tp > 1:
             self._peers(g, "peer_d", ranges, "xd")
             g.stage("down_sum")
-            per = self.rows_per_task(len(ranges))
-            for (t0, n) in ranges:
-                for r in range(0, W, per):  # rows split over tasks (ffn_tasks.post2_task)
-                    g.add("post2", (t0, n, 0, r, per), reads=("xd",), nbytes=tp * min(per, W - r) * n * BN * 8)
+            self._row_group_tasks(g, "post2", ranges, lambda n, nr: tp * nr * n * BN * 8, reads=("xd",))

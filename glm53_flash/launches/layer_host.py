@@ -322,19 +322,13 @@ class KdaLayerLaunch(Launch):
     def _graph_pre(self, g) -> None:
         """mHC before the mixer: hc_pre partial slots (one per BLOCK_N column tile: join order = tile
         order, whatever the grid), then the gate row a_in."""
-        G, H, W, BN = self.grid, self.H, self.width, self.block_n
+        G, H, BN = self.grid, self.H, self.block_n
         g.stage("hc_pre")
         self.block_c = 32
         n_col = H // BN
         parts = _ranges(n_col, min(G, n_col))
-        per = self.rows_per_task(len(parts))           # rows split over tasks, as post1 (ffn.hc_pre_task)
-        s = 0
-        for (t0, n) in parts:
-            for r in range(0, W, per):
-                g.add("part", (t0, n, s, r, per), writes=("hp1",),
-                      nbytes=n * BN * (24 * 4 * 4 + min(per, W - r) * 4 * 4))
-                s += 1
-        self.n_box["hp1"] = s
+        self.n_box["hp1"] = self._row_group_tasks(g, "part", parts, lambda n, nr: n * BN * (24 * 4 * 4 + nr * 4 * 4),
+                                                  writes=("hp1",))
         self.npart1 = self.npart2 = n_col
         self.gate_bh = min(512, H)
         g.stage("gate_in")
@@ -374,7 +368,7 @@ class KdaLayerLaunch(Launch):
 
     def _graph_oproj(self, g, row_bytes: int) -> None:
         """o_proj tiles (row_bytes: bytes of one weight row); TP > 1: the exchange and the rank sums."""
-        H, W, BN, tp = self.H, self.width, self.block_n, self.tp_size
+        H, BN, tp = self.H, self.block_n, self.tp_size
         g.stage("o_proj")
         if tp == 1:
             self._gemv_stage(g, "oproj", H, row_bytes, ("o",) + self._hc_post_reads("cf1"), ("hp2",), "hp2")
@@ -382,24 +376,15 @@ class KdaLayerLaunch(Launch):
             ranges = self._gemv_stage(g, "oproj", H, row_bytes, ("o",), ("xo",), None, ret_ranges=True)
             self._peers(g, "peer_o", ranges, "xo")
             g.stage("o_sum")
-            # one task per (tile range, row): a task's rank sum and hc_post + partials walk its rows one after
-            # another (a round trip a row and a (chunk, row) step), so at 8 rows o_sum took 40 us of the path
-            # where 1 row takes ~4 (H100 traces, 2026-12-05). A row's work and bits are the same either way.
-            s = 0
-            per = self.rows_per_task(len(ranges))
-            for (t0, n) in ranges:
-                for r in range(0, W, per):
-                    g.add("post1", (t0, n, s, r, per), reads=("xo",) + self._hc_post_reads("cf1"), writes=("hp2",),
-                          nbytes=tp * min(per, W - r) * n * BN * 8)
-                    s += 1
-            self.n_box["hp2"] = s
+            self.n_box["hp2"] = self._row_group_tasks(g, "post1", ranges, lambda n, nr: tp * nr * n * BN * 8,
+                                                      reads=("xo",) + self._hc_post_reads("cf1"), writes=("hp2",))
 
     def _graph_gate_ffn(self, g) -> None:
         g.stage("gate_ffn")
         self._gate_tasks(g, "2", "hp2", "a", "cf2")
 
     def _ffn_graph(self, g: TaskGraph, wb: int) -> None:
-        H, tp, BN, W = self.H, self.tp_size, self.block_n, self.width
+        H, tp, BN = self.H, self.tp_size, self.block_n
         g.stage("gate_up")
         self._gemv_stage(g, "gu", self.I, 2 * H * wb, ("a",), ("hg",), "hg", k_split=self.ks_gu)
         g.stage("act")
@@ -411,10 +396,7 @@ class KdaLayerLaunch(Launch):
             ranges = self._gemv_stage(g, "down", H, self.I * wb, ("h", "cf2"), ("xd",), None, ret_ranges=True)
             self._peers(g, "peer_d", ranges, "xd")
             g.stage("down_sum")
-            per = self.rows_per_task(len(ranges))
-            for (t0, n) in ranges:
-                for r in range(0, W, per):  # rows split over tasks (ffn_tasks.post2_task)
-                    g.add("post2", (t0, n, 0, r, per), reads=("xd",), nbytes=tp * min(per, W - r) * n * BN * 8)
+            self._row_group_tasks(g, "post2", ranges, lambda n, nr: tp * nr * n * BN * 8, reads=("xd",))
 
     def _gemv_stage(self, g, fam, N, row_bytes, reads, writes, box, ret_ranges=False, k_split=1):
         """Tasks (t0, n tiles, producer, K slice) of a weight-streaming GEMV stage: tile ranges over the grid,
@@ -445,6 +427,20 @@ class KdaLayerLaunch(Launch):
         """schedule.py choose_k_split for an N x K weight of wbytes per element in this launch's tiles."""
         step = self.block_n * min(self.block_k, 128) * wbytes
         return choose_k_split(-(-N // self.block_n), K // min(self.block_k, 128), step)
+
+    def _row_group_tasks(self, g, fam, ranges, nbytes, **kw) -> int:
+        """Tasks (t0, n tiles, producer, first row, rows) of a row-walking stage (part, post1, post2): one per tile
+        range and row group of rows_per_task rows. Such a task walks its rows one after another (a round trip a
+        row, a (chunk, row) step), so at 8 rows one task per range took 10-40 us of the path where 1 row takes
+        2-5 (H100 traces, 2026-12-05); a row's work and bits are the same in any group. nbytes(n, rows) -> the
+        task's cost. -> how many tasks (the producers of the box they write)."""
+        per = self.rows_per_task(len(ranges))
+        s = 0
+        for (t0, n) in ranges:
+            for r in range(0, self.width, per):
+                g.add(fam, (t0, n, s, r, per), nbytes=nbytes(n, min(per, self.width - r)), **kw)
+                s += 1
+        return s
 
     def rows_per_task(self, n_ranges: int) -> int:
         """Rows a task of a row-walking stage (part, post1, post2) takes: the rows split into as many groups as the
