@@ -139,6 +139,29 @@ def test_kda_tp2_simulated(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
                    label="tp2")
 
 
+def test_kda_tp2_moe_down_row_groups_same_bits(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch):
+    """moe_down splits its rows over tasks (launches/kda.py _moe_down_tasks, layer_host.rows_per_task): a task a
+    row of a width-4 launch running 3 rows (the last task's row is past the rows) gives the same bits as one task
+    taking every row, on every rank, and every row is walked (the reference check)."""
+    from glm53_flash.launches import layer_host
+    X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 3, gen)
+    fresh = [(X, *rank_state(tiny_cfg, caches, KDA_LAYER, r, 2)) for r in range(2)]
+    outs, states = {}, {}
+    for nominal in (1024, 1):
+        ins = states[nominal] = [(x, s.clone(), w.clone()) for x, s, w in fresh]     # a run commits its state
+        monkeypatch.setattr(layer_host, "NOMINAL_GRID", nominal)
+        xchg = new_xchg(tiny_cfg, 2, 4, "cpu")
+        Ls = [KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, tp_rank=r, tp_size=2, width=4, xchg=xchg) for r in range(2)]
+        groups = sorted({t.args[4] for t in Ls[0].schedule.tasks if t.family == "moe_down"})
+        assert groups == ([(0 << 8) | 1, (1 << 8) | 1, (2 << 8) | 1, (3 << 8) | 1] if nominal == 1024 else [0]), groups
+        outs[nominal] = run_tp(Ls, ins)
+    for r in range(2):
+        assert torch.equal(outs[1024][r], outs[1][r])
+        assert torch.equal(states[1024][r][1], states[1][r][1]) and torch.equal(states[1024][r][2], states[1][r][2])
+        check_step(Ls[r], outs[1][r], states[1][r][1], states[1][r][2], tiny_ref, caches, KDA_LAYER, X, TOL_BF16,
+                   tp=2, rank=r, label="moe_down row groups")
+
+
 def test_kda_act_fold(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch):
     """act_fold (launches/kda.py act_fold_width): at widths up to 2 moe_down joins its expert group's routed
     activations itself and there is no act stage for them. Pinned on (grouped, 3 groups) and off at the same

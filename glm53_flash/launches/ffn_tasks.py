@@ -16,7 +16,7 @@ Stages (host side: layer_host.py _ffn_graph for dense, kda.py _ffn_graph for the
             (act_fold, 1-2 rows: no kind 1 tasks; moe_down waits xe and joins its group's itself)
   down      dense down tiles, or moe_down (routed experts in rank order, then the shared one),
             after h; TP 1: y2 + hc_post -> X_out; TP > 1: xd pairs. With KG > 1 (schedule.py
-            choose_groups) moe_down tasks are (tile, expert group) -> dpart planes            box dp
+            choose_groups) moe_down tasks are (tile, expert group, row group) -> dpart planes  box dp
   down_join (KG > 1) the groups' planes in group order -> y2 + hc_post, or xd; then
   post2     (TP > 1) rank-order sum of xd -> y2, hc_post (NEXTN: X_out = xmid + y2, box z).
 Why split-K with a join stage: a gate|up tile is a 2 x 64-row x 4096 GEMV (1 MB bf16). Whole-K tasks
@@ -435,20 +435,23 @@ def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, g, width, tp_
 
 
 @triton.jit(noinline=True)
-def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, a3, rdy,
-                  pid, tag, hdr, timeout_ns, fault_site, swiglu_limit, E: tl.constexpr, H: tl.constexpr,
+def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, a3, a4,
+                  rdy, pid, tag, hdr, timeout_ns, fault_site, swiglu_limit, E: tl.constexpr, H: tl.constexpr,
                   I: tl.constexpr, I_E: tl.constexpr, KE: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr,
                   NEXTN: tl.constexpr, B_Z: tl.constexpr, KG: tl.constexpr, KS_E: tl.constexpr):
     """MoE down tiles a0 .. a0 + a1 - 1, expert group a3 of KG, row by row (routed experts in rank order,
-    then the shared expert), after the h wait (every activation and the record are in). KG == 1: TP 1 y2,
-    then _post_ffn (producer a2); TP > 1 xd. KG > 1: partial planes, producer a2 of dp. -> (ok, rdy).
+    then the shared expert), after the h wait (every activation and the record are in), rows of a4 = first << 8
+    | count (0: every row; launches/kda.py row groups; a row's work and bits do not depend on its group).
+    KG == 1: TP 1 y2, then _post_ffn (producer a2; every row: never split); TP > 1 xd. KG > 1: partial planes, producer a2 of dp. -> (ok, rdy).
     The routed experts' weights depend only on the record (sel), complete a stage and more before h: the task
     waits on sel first and moves its group's routed tiles toward L2 before it waits on h.
     act_fold (meta word; launches/kda.py, small widths): there is no act stage for the routed experts; h holds
     the shared expert's activations only, and the task waits on xe and joins its group's routed activations
     per row itself (_group_act: the same code and order, so the same bits)."""
     PG: tl.constexpr = (KE + 1) // KG
+    r0 = a4 >> 8
+    r1 = tl.where((a4 & 255) == 0, rows, tl.minimum(r0 + (a4 & 255), rows))
     l2_prefetch_rows(W_d, a0 * BLOCK_N, H, I, BLOCK_N)                  # shared expert's weights
     ids = i32_at(scratch, meta, M_IDS)
     fold = const_word(meta + M_ACT_FOLD)
@@ -457,8 +460,8 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
     if ok != 0:
         j = 0
         while j < a1:
-            rr = 0
-            while rr < rows:
+            rr = r0
+            while rr < r1:
                 l2_prefetch_experts(w_de, ids + rr * KE + a3 * PG, tl.minimum(KE - a3 * PG, PG), E, (a0 + j) * BLOCK_N,
                                     H, I_E, BLOCK_N, PG)
                 rr += 1
@@ -474,8 +477,8 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
     j = 0
     while (j < a1) & (ok != 0):
         n0 = (a0 + j) * BLOCK_N
-        rr = 0
-        while rr < rows:
+        rr = r0
+        while rr < r1:
             if fold != 0:
                 _group_act(scratch, meta, rr, a3, pid, width, swiglu_limit, KE, I_E, KG, KS_E, ACT_F32)
             trace_mark(hdr, pid, 1)                                  # the row's activations are joined (fold)
@@ -555,10 +558,10 @@ def ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_
     elif fam == 44:                                    # down (dense): tiles a0 .. a0 + a1 - 1
         ok, rdy = down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, rdy, pid, tag,
                             hdr, timeout_ns, fault_site, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32)
-    elif fam == 45:                                    # moe_down: tiles a0 .. a0 + a1 - 1, row by row
+    elif fam == 45:                                    # moe_down: tiles a0 .. a0 + a1 - 1, rows of a4, row by row
         if MOE:
             ok, rdy = moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0,
-                                    a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, swiglu_limit, E, H, I, I_E,
+                                    a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns, fault_site, swiglu_limit, E, H, I, I_E,
                                     KE, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32, NEXTN, B_Z, KG, KS_E)
     elif fam == 48:                                    # down_join: tiles a0 .. a0 + a1 - 1, producer a2
         ok, rdy = down_join_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, rdy, pid, tag,

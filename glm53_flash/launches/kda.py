@@ -25,7 +25,7 @@ import torch
 from ..kernels.moe import pack_experts
 from .ffn_tasks import ACT_COLS, ROUTER_BLOCK_E
 from ..schedule import NOMINAL_GRID, choose_groups
-from .layer_host import KdaLayerLaunch
+from .layer_host import KdaLayerLaunch, _ranges
 
 RCK = 32            # router K step (kernels/moe.py ROUTER_CK)
 BLOCK_E = ROUTER_BLOCK_E   # experts per router tile
@@ -113,6 +113,27 @@ class KdaLaunch(KdaLayerLaunch):
         slots = min(most, max(self.KE * items, NOMINAL_GRID))
         return slots, -(-most // slots)
 
+    def _moe_down_tasks(self, g, row_bytes, reads, writes, box):
+        """moe_down tasks (t0, n tiles, producer, expert group, rows first << 8 | count) over the tile ranges x KG
+        groups x row groups (rows_per_task: a task walks its rows one after another, ~5 us a row at TP8, so at 8
+        rows the 192 (tile, group) tasks took ~40 us of the path, 72 CTAs idle); the ranges as _gemv_stage's.
+        Not at TP 1 with KG == 1, where the task's hc_post (_post_ffn) covers every row of its tiles."""
+        tiles = -(-self.H // self.block_n)
+        ranges = _ranges(tiles, min(-(-self.grid // self.kg), tiles))
+        per = self.rows_per_task(len(ranges) * self.kg) if (self.kg > 1 or self.tp_size > 1) else self.width
+        s = 0
+        for ks in range(self.kg):
+            for (t0, n) in ranges:
+                rows_n = min((t0 + n) * self.block_n, self.H) - t0 * self.block_n
+                for r in range(0, self.width, per):
+                    cnt = min(per, self.width - r)
+                    g.add("moe_down", (t0, n, s, ks, (r << 8) | cnt if per < self.width else 0), reads=reads,
+                          writes=writes, nbytes=rows_n * row_bytes * cnt // (self.kg * self.width))
+                    s += 1
+        if box is not None:
+            self.n_box[box] = s
+        return ranges
+
     def _ffn_graph(self, g, wb: int) -> None:
         H, tp, BN, W = self.H, self.tp_size, self.block_n, self.width
         wbe = 1 if self.w_gu.dtype == torch.float8_e4m3fn else 2
@@ -150,8 +171,7 @@ class KdaLaunch(KdaLayerLaunch):
         row_bytes = W * (self.KE * self.I_E * wbe + self.I * wb)
         rd = ("sel", "xe", "h") if self.act_fold else ("sel", "h")         # (site order as site_names)
         if self.kg > 1:
-            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, rd, ("dp",), "dp", ret_ranges=True,
-                                      k_split=self.kg)
+            ranges = self._moe_down_tasks(g, row_bytes, rd, ("dp",), "dp")
             g.stage("down_join")
             for s, (t0, n) in enumerate(ranges):
                 g.add("down_join", (t0, n, s), reads=("dp",) + self._hc_post_reads("cf2"),
@@ -161,8 +181,7 @@ class KdaLaunch(KdaLayerLaunch):
             ranges = self._gemv_stage(g, "moe_down", H, row_bytes, rd + self._hc_post_reads("cf2"), (),
                                       None, ret_ranges=True)
         else:
-            ranges = self._gemv_stage(g, "moe_down", H, row_bytes, rd + self._hc_post_reads("cf2"),
-                                      ("xd",), None, ret_ranges=True)
+            ranges = self._moe_down_tasks(g, row_bytes, rd + self._hc_post_reads("cf2"), ("xd",), None)
         if tp > 1:
             self._peers(g, "peer_d", ranges, "xd")
             g.stage("down_sum")

@@ -443,11 +443,15 @@ class KdaLayerLaunch(Launch):
         return s
 
     def rows_per_task(self, n_ranges: int) -> int:
-        """Rows a task of a row-walking stage (part, post1, post2) takes: the rows split into as many groups as the
-        nominal grid leaves room for beside the stage's n_ranges tile ranges (one wave). A row's work and bits do
-        not depend on its group, so this may follow the grid; the nominal one keeps CPU tests on the split path."""
-        groups = max(1, min(self.width, NOMINAL_GRID // max(1, n_ranges)))
-        return -(-self.width // groups)
+        """Rows a task of a row-walking stage (part, post1, post2, moe_down) takes, for n_ranges tasks of all rows:
+        the group size that walks the fewest rows on the busiest CTA of the nominal grid (waves x rows a task),
+        ties to the larger group (fewer tasks). Where one wave holds every row group (n_ranges x width <= the
+        grid) that is one row a task; e.g. 64 ranges at 8 rows: 2 rows (256 tasks, one wave); moe_down's 192
+        (tile, group) tasks at 8 rows: 2 rows (768 tasks, 3 waves: 6 rows on the busiest CTA instead of 8).
+        A row's work and bits do not depend on its group, so this may follow the grid; the nominal one keeps
+        CPU tests on the split path."""
+        W, n = self.width, max(1, n_ranges)
+        return min(range(1, W + 1), key=lambda per: (-(-n * -(-W // per) // NOMINAL_GRID) * per, -per))
 
     def _peers(self, g, fam, ranges, region) -> None:
         if not self.loopback:
