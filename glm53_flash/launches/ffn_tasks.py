@@ -61,8 +61,6 @@ ACT_FENCE: tl.constexpr = tl.constexpr(os.environ.get("GLM53_ACT_FENCE", "") == 
 
 ACT_COLS = 256              # act columns per task (expert activations) and per vector step
 ACT_BLOCK = tl.constexpr(ACT_COLS)
-FOLD_BLOCK = tl.constexpr(1024)     # _group_act's columns per step: a TP8 expert group (3 x 192 columns) in one
-                                    # round trip of plane loads (three at ACT_BLOCK: ~3 us of moe_down's path)
 ROUTER_BLOCK_E = 32         # experts per router task (launches/kda.py _ffn_graph): 144 tasks of 32 KB at E = 288,
                             # one wave on 264 CTAs (16: 288 tasks, 24 CTAs ran two in a row, +6 us traced)
 
@@ -391,7 +389,7 @@ def _group_act(scratch, meta, rr, g, pid, width, swiglu_limit, KE: tl.constexpr,
     src = _group_src(scratch, meta, g, pid, KE, I_E, KG, ACT_F32)
     tl.debug_barrier()                                  # the previous row's GEMVs are done with the row
     swiglu_join(f32_at(scratch, meta, M_EPART) + rr * KE * 2 * I_E, width * KE * 2 * I_E, src, g * PG * I_E,
-                tl.minimum(g * PG + PG, KE) * I_E, swiglu_limit, I_E, KS_E, FOLD_BLOCK)
+                tl.minimum(g * PG + PG, KE) * I_E, swiglu_limit, I_E, KS_E, ACT_BLOCK)
     if ACT_FENCE:
         fence_acq_rel()                                 # A/B only (GLM53_ACT_FENCE=1): the fence this fold had
     tl.debug_barrier()
