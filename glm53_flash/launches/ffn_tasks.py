@@ -441,7 +441,8 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
     """MoE down tiles a0 .. a0 + a1 - 1, expert group a3 of KG, row by row (routed experts in rank order,
     then the shared expert), after the h wait (every activation and the record are in), rows of a4 = first << 8
     | count (0: every row; launches/kda.py row groups; a row's work and bits do not depend on its group).
-    KG == 1: TP 1 y2, then _post_ffn (producer a2; every row: never split); TP > 1 xd. KG > 1: partial planes, producer a2 of dp. -> (ok, rdy).
+    KG == 1: TP 1 y2, then _post_ffn (producer a2; every row: never split); TP > 1 xd. KG > 1: partial planes,
+    producer a2 of dp. -> (ok, rdy).
     The routed experts' weights depend only on the record (sel), complete a stage and more before h: the task
     waits on sel first and moves its group's routed tiles toward L2 before it waits on h.
     act_fold (meta word; launches/kda.py, small widths): there is no act stage for the routed experts; h holds
@@ -559,8 +560,8 @@ def ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_
     elif fam == 45:                                    # moe_down: tiles a0 .. a0 + a1 - 1, rows of a4, row by row
         if MOE:
             ok, rdy = moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0,
-                                    a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns, fault_site, swiglu_limit, E, H, I, I_E,
-                                    KE, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32, NEXTN, B_Z, KG, KS_E)
+                                    a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns, fault_site, swiglu_limit, E, H, I,
+                                    I_E, KE, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32, NEXTN, B_Z, KG, KS_E)
     elif fam == 48:                                    # down_join: tiles a0 .. a0 + a1 - 1, producer a2
         ok, rdy = down_join_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, rdy, pid, tag,
                                  hdr, timeout_ns, fault_site, H, ROWS_PAD, BLOCK_N, NEXTN, B_Z, KG)

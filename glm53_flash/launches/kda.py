@@ -25,7 +25,7 @@ import torch
 from ..kernels.moe import pack_experts
 from .ffn_tasks import ACT_COLS, ROUTER_BLOCK_E
 from ..schedule import NOMINAL_GRID, choose_groups
-from .layer_host import KdaLayerLaunch, _ranges
+from .layer_host import KdaLayerLaunch
 
 RCK = 32            # router K step (kernels/moe.py ROUTER_CK)
 BLOCK_E = ROUTER_BLOCK_E   # experts per router tile
@@ -116,10 +116,9 @@ class KdaLaunch(KdaLayerLaunch):
     def _moe_down_tasks(self, g, row_bytes, reads, writes, box):
         """moe_down tasks (t0, n tiles, producer, expert group, rows first << 8 | count) over the tile ranges x KG
         groups x row groups (rows_per_task: a task walks its rows one after another, ~5 us a row at TP8, so at 8
-        rows the 192 (tile, group) tasks took ~40 us of the path, 72 CTAs idle); the ranges as _gemv_stage's.
+        rows the 192 (tile, group) tasks took ~40 us of the path, 72 CTAs idle); the ranges are _gemv_stage's.
         Not at TP 1 with KG == 1, where the task's hc_post (_post_ffn) covers every row of its tiles."""
-        tiles = -(-self.H // self.block_n)
-        ranges = _ranges(tiles, min(-(-self.grid // self.kg), tiles))
+        ranges = self._stage_ranges(self.H, self.kg)
         per = self.rows_per_task(len(ranges) * self.kg) if (self.kg > 1 or self.tp_size > 1) else self.width
         s = 0
         for ks in range(self.kg):

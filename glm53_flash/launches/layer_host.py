@@ -401,8 +401,7 @@ class KdaLayerLaunch(Launch):
     def _gemv_stage(self, g, fam, N, row_bytes, reads, writes, box, ret_ranges=False, k_split=1):
         """Tasks (t0, n tiles, producer, K slice) of a weight-streaming GEMV stage: tile ranges over the grid,
         times k_split K slices (each writes its own partial plane; the consumer joins them in order)."""
-        tiles = -(-N // self.block_n)
-        ranges = _ranges(tiles, min(-(-self.grid // k_split), tiles))
+        ranges = self._stage_ranges(N, k_split)
         s = 0
         for ks in range(k_split):
             for (t0, n) in ranges:
@@ -412,6 +411,12 @@ class KdaLayerLaunch(Launch):
         if box is not None:
             self.n_box[box] = s
         return ranges if ret_ranges else s
+
+    def _stage_ranges(self, N: int, k_split: int = 1) -> list[tuple[int, int]]:
+        """Tile ranges (t0, n) of a weight-streaming stage over N rows: as many as the grid holds beside its
+        k_split K slices (or expert groups), never more than the tiles."""
+        tiles = -(-N // self.block_n)
+        return _ranges(tiles, min(-(-self.grid // k_split), tiles))
 
     def _act_tasks(self, g, producer: int) -> int:
         """act kind 0 (ffn_tasks.py): the dense / shared h columns in BLOCK_N-wide tasks, producers from
