@@ -10,7 +10,7 @@
 #   3. time_layers over TIMING (';'-separated scripts/time_matrix.py argument sets) -> timing.jsonl / .log;
 #      BASE=dir (a checkout of the commit before, e.g. `git archive` into .base/) times BASE_TIMING there
 #      too, in the same call, for side-by-side ratios (its records carry "tree": "base"; BASE2 / BASE2_TIMING a second
-#      tree, e.g. one change of two, "tree": "base2"); TIMING2 with
+#      tree, e.g. one change of two, "tree": "base2"; BASE3 / BASE3_TIMING a third, "tree": "base3"); TIMING2 with
 #      TIMING2_ENV="K=V ...|K=V ..." times this tree again under each '|'-separated environment ("tree":
 #      "ours2", "env": that environment);
 #   4. the engine-style peer (.peer/, fla-core from .whl/; PEER="args" for baseline_layers.py,
@@ -94,10 +94,11 @@ if [ -n "${TIMING2:-}" ]; then
 fi
 [ -n "${BASE:-}" ] && [ -n "${BASE_TIMING:-}" ] && run_matrix "$PWD/$BASE" "$W/base.jsonl" "$BASE_TIMING"
 [ -n "${BASE2:-}" ] && [ -n "${BASE2_TIMING:-}" ] && run_matrix "$PWD/$BASE2" "$W/base2.jsonl" "$BASE2_TIMING"
+[ -n "${BASE3:-}" ] && [ -n "${BASE3_TIMING:-}" ] && run_matrix "$PWD/$BASE3" "$W/base3.jsonl" "$BASE3_TIMING"
 python3 - "$W" "$OUT/timing.jsonl" <<'PY'
 import json, os, sys
 with open(sys.argv[2], "a") as out:
-    for tree in ("ours", "ours2", "base", "base2"):
+    for tree in ("ours", "ours2", "base", "base2", "base3"):
         f = os.path.join(sys.argv[1], tree + ".jsonl")
         for line in (open(f) if os.path.exists(f) else []):
             if line.strip():
