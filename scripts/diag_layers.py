@@ -22,7 +22,7 @@ if not os.path.exists("/dev/nvidiactl"):      # no GPU: kernels run under the in
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def build(kind, cfg, tp, rows, fmt, pos, device, grid=None):
+def build(kind, cfg, tp, rows, fmt, pos, device, grid=None, **launch_kw):
     import torch
     import layer_bytes
     import rank_source
@@ -39,13 +39,14 @@ def build(kind, cfg, tp, rows, fmt, pos, device, grid=None):
         w = (torch.randn(V, H, device=device, generator=g) * H ** -0.5).bfloat16()
         w, s = quantize_fp8(w) if fmt == "fp8" else (w, None)
         norm_w = (1 + 0.1 * torch.randn(H, device=device, generator=g)).bfloat16()
-        L = TailLaunch(cfg, w, norm_w, s, tp_rank=0, tp_size=tp, width=rows, device=device, grid=grid)
+        L = TailLaunch(cfg, w, norm_w, s, tp_rank=0, tp_size=tp, width=rows, device=device, grid=grid, **launch_kw)
         X = torch.randn(rows, cfg.hc_mult, H, device=device, generator=g)
         return L, lambda f=None: L.run(X, inject_fault=f)
     src = rank_source.RankSource(cfg, 0, tp, fmt, device, seed=0)
     if kind in ("embed", "dense", "kda"):
         cls = {"embed": EmbedLaunch, "dense": DenseLaunch, "kda": KdaLaunch}[kind]
-        L = cls(cfg, src, layer_bytes.layer_of(cfg, kind), tp_rank=0, tp_size=tp, width=rows, device=device, grid=grid)
+        L = cls(cfg, src, layer_bytes.layer_of(cfg, kind), tp_rank=0, tp_size=tp, width=rows, device=device, grid=grid,
+                **launch_kw)
         nh, d = cfg.linear_num_heads // tp, cfg.linear_head_dim
         S = 0.1 * torch.randn(rows, nh, d, d, device=device, generator=g)
         win = torch.randn(rows, cfg.linear_conv_kernel_dim - 1, 3 * nh * d, device=device, generator=g)
@@ -53,7 +54,7 @@ def build(kind, cfg, tp, rows, fmt, pos, device, grid=None):
              else torch.randn(rows, cfg.hc_mult, cfg.hidden_size, device=device, generator=g))
         return L, lambda f=None: L.run(X, S, win, inject_fault=f, commit=False)
     pos_max = -(-(pos + 2) // cfg.index_kpool) * cfg.index_kpool
-    kw = dict(tp_rank=0, tp_size=tp, width=rows, device=device, max_len=pos_max, grid=grid)
+    kw = dict(tp_rank=0, tp_size=tp, width=rows, device=device, max_len=pos_max, grid=grid, **launch_kw)
     L = NextnLaunch(cfg, src, **kw) if kind == "nextn" else SparseLaunch(cfg, src, layer_bytes.layer_of(cfg, kind), **kw)
     lat = torch.randn(rows, pos_max, cfg.kv_lora_rank, device=device, generator=g).bfloat16()
     pk = torch.randn(rows, pos_max // cfg.index_kpool, cfg.index_head_dim, device=device, generator=g).bfloat16()

@@ -47,6 +47,17 @@ def find_wheel(version: str, where: str) -> str:
     return hits[0]
 
 
+def launch_kw(spec: str) -> dict:
+    """'num_stages=5 block_n=32' -> the launch constructor's keyword arguments (ints where they parse)."""
+    kw = {}
+    for kv in spec.split():
+        k, _, v = kv.partition("=")
+        if not k or not v:
+            raise SystemExit(f"--launch-kw: {kv!r} is not NAME=VALUE")
+        kw[k] = int(v) if v.lstrip("-").isdigit() else v
+    return kw
+
+
 def build_one(a) -> int:
     """Child process: build one launch on the CPU with GPU specialisation and compile it (never run)."""
     sys.path.insert(0, ROOT)
@@ -59,7 +70,7 @@ def build_one(a) -> int:
     from diag_layers import build
     from glm53_flash.config import preset
     cfg = preset(a.preset).replace(n_routed_experts=a.experts, num_nextn_predict_layers=1)
-    L, run = build(a.kinds, cfg, a.tp, a.rows, a.weights, a.pos, "cpu", None)
+    L, run = build(a.kinds, cfg, a.tp, a.rows, a.weights, a.pos, "cpu", None, **launch_kw(a.launch_kw))
     if a.trace:
         L.enable_trace(True)
     try:
@@ -105,6 +116,9 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="glm53-flash")
     ap.add_argument("--env", default="", help="'|'-separated K=V sets, one build of each kind per set, "
                                                "e.g. 'GLM53_XIN=1|GLM53_XIN=0'")
+    ap.add_argument("--launch-kw", default="",
+                    help="'|'-separated sets of launch constructor arguments, one build of each kind per set, as "
+                         "time_layers' flags set them, e.g. 'num_stages=3|num_stages=5' (--num-stages)")
     ap.add_argument("--trace", action="store_true", help="also the TRACE builds (diag_layers / bench_gap --trace)")
     ap.add_argument("--wheel", default=None,
                     help="the GPU machine's Triton wheel (default: found or fetched in .device_wheels/)")
@@ -122,15 +136,20 @@ def main(argv=None) -> int:
     cache = a.cache_dir or tempfile.mkdtemp(prefix="prebuild_cache_")
     os.makedirs(cache, exist_ok=True)
     envs = [dict(kv.split("=", 1) for kv in s.split()) for s in a.env.split("|")] if a.env else [{}]
+    kws = a.launch_kw.split("|") if not a.one else [a.launch_kw]
+    for spec in kws:
+        launch_kw(spec)                                             # bad input fails before any compile
     failed = 0
-    for env in envs:
+    for env, spec in [(e, k) for e in envs for k in kws]:
         for kind in a.kinds.split(","):
             for trace in ((False, True) if a.trace else (False,)):
-                label = f"{kind} tp{a.tp} rows{a.rows} {a.weights}{' trace' if trace else ''} {env or ''}"
+                label = (f"{kind} tp{a.tp} rows{a.rows} {a.weights}{' trace' if trace else ''} {env or ''}"
+                         f"{' ' + spec if spec else ''}")
                 t0 = time.time()
                 cmd = [sys.executable, os.path.abspath(__file__), "--one", "--kinds", kind, "--tp", str(a.tp),
                        "--rows", str(a.rows), "--weights", a.weights, "--pos", str(a.pos), "--experts",
-                       str(a.experts), "--preset", a.preset, "--wheel", wheel] + (["--trace"] if trace else [])
+                       str(a.experts), "--preset", a.preset, "--wheel", wheel, "--launch-kw", spec] + \
+                    (["--trace"] if trace else [])
                 e = dict(os.environ, TRITON_CACHE_DIR=cache, **env)
                 e.pop("TRITON_INTERPRET", None)
                 r = subprocess.run(cmd, env=e, capture_output=True, text=True)
