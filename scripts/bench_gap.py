@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pos", type=int, default=8191)
     ap.add_argument("--experts", type=int, default=288)
     ap.add_argument("--ctas-per-sm", type=int, default=None)
+    ap.add_argument("--num-stages", type=int, default=None, help="layer kinds: GEMV software-pipeline depth "
+                    "(time_layers' flag; default the launch's)")
     ap.add_argument("--pairs", type=int, default=8, help="A, B launches per graph replay (pairs)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--json-out", default=None)
@@ -54,7 +56,8 @@ def main(argv=None) -> int:
     cfg = preset("glm53-flash").replace(n_routed_experts=args.experts, num_nextn_predict_layers=1)
     grid = (args.ctas_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
             if args.ctas_per_sm else None)
-    pair = [build(args.kind, cfg, args.tp, args.rows, args.weights, args.pos, "cuda", grid) for _ in range(2)]
+    kw = {} if args.num_stages is None else {"num_stages": args.num_stages}
+    pair = [build(args.kind, cfg, args.tp, args.rows, args.weights, args.pos, "cuda", grid, **kw) for _ in range(2)]
     out = {"kind": args.kind, "tp": args.tp, "rows": args.rows, "weights": args.weights, "grid": pair[0][0].grid}
     for traced in (False, True):
         for L, run in pair:

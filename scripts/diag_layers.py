@@ -82,6 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default=None, help="default glm53-flash (tiny on the CPU)")
     ap.add_argument("--inject-fault", default=None, help="a wait site to fault (checks the report on a known stall)")
     ap.add_argument("--num-warps", type=int, default=None)
+    ap.add_argument("--num-stages", type=int, default=None, help="layer kinds: GEMV software-pipeline depth "
+                    "(time_layers' flag; default the launch's)")
     ap.add_argument("--ctas-per-sm", type=int, default=None,
                     help="GPU: persistent grid = this many CTAs per SM (default: the launch's), e.g. 1 to trace the "
                          "tasks without a co-resident CTA on their SM (time_layers.py's flag)")
@@ -103,7 +105,8 @@ def main(argv=None) -> int:
                       num_nextn_predict_layers=max(1, cfg.num_nextn_predict_layers))
     grid = (args.ctas_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
             if args.ctas_per_sm and device == "cuda" else None)
-    L, run = build(args.kind, cfg, args.tp, args.rows, args.weights, args.pos, device, grid)
+    L, run = build(args.kind, cfg, args.tp, args.rows, args.weights, args.pos, device, grid,
+                   **({} if args.num_stages is None else {"num_stages": args.num_stages}))
     if args.num_warps:
         L.num_warps = args.num_warps
     if args.timeout:
