@@ -70,7 +70,9 @@ class SparseLaunch(KdaLaunch):
     (an AttentionSplit) overrides the chooser; block_p: pools per scoring MMA tile (64: 3 tiles in flight;
     16 left the score task at ~9 us for 144 pools on the H200); sel_chunk (pools per selection task, a
     multiple of block_p) defaults to the smallest giving <= 16 tasks; bits: radix digit width (8 only: 4
-    passes, the register-light choice of kernels/indexer.py)."""
+    passes, the register-light choice of kernels/indexer.py); num_stages: the layer GEMVs' cp.async depth, 5 as
+    kda's (4 x 16 KB in flight a CTA; 72 KB of shared memory, still two CTAs an SM; 3 until 2026-12-06: H100,
+    TP8 1 row pos 8191, side by side, sparse -1.2 / -2.4 us, nextn -5.3)."""
 
     default_ctas_per_sm = 2     # 255 registers and 65 KB of shared memory let two CTAs share an SM: H200, TP8 1 row
                                 # bf16, side by side: pos 8191 208.4 -> 187.7 us, 65535 240.1 -> 221.0, nextn 307 -> 295
@@ -84,7 +86,7 @@ class SparseLaunch(KdaLaunch):
 
     def __init__(self, cfg, source, layer: int, *, tp_rank: int = 0, tp_size: int = 1, width: int = 1, device=None,
                  grid: int | None = None, scales: Mapping | None = None, max_len: int = 4096, timeout_s: float = 1.0,
-                 xchg=None, block_n: int = 64, block_k: int = 128, num_stages: int = 3, num_warps: int = 4,
+                 xchg=None, block_n: int = 64, block_k: int = 128, num_stages: int = 5, num_warps: int = 4,
                  act_dtype: str = "bfloat16", split: AttentionSplit | None = None, sel_chunk: int | None = None,
                  block_p: int = 64, bits: int = 8, sm_count: int | None = None, **tag_kw):
         from .base import Launch
