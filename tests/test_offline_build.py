@@ -121,3 +121,18 @@ def test_enable_refuses_the_interpreter_and_loaded_kernels(monkeypatch):
     with pytest.raises(RuntimeError, match="before the kernel modules"):
         offline_build.enable(None)
     assert not offline_build.active()
+
+
+def test_prebuild_launch_kw_parses_and_refuses_bad_input(tmp_path):
+    """--launch-kw: 'num_stages=3 block_n=32' -> constructor keywords (ints parsed); a set that is not NAME=VALUE
+    stops the run before any compile, and nothing is written."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import prebuild_cache
+    assert prebuild_cache.launch_kw("num_stages=3 block_n=32") == {"num_stages": 3, "block_n": 32}
+    assert prebuild_cache.launch_kw("") == {}
+    out = tmp_path / "c.tgz"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "prebuild_cache.py"), "--kinds", "dense",
+                        "--launch-kw", "num_stages=5|stages", "--local-key", "--cache-dir", str(tmp_path / "cache"),
+                        "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "'stages' is not NAME=VALUE" in r.stderr + r.stdout
+    assert not out.exists() and not any((tmp_path / "cache").glob("*/*.cubin"))
