@@ -81,7 +81,12 @@ def main(argv=None) -> int:
         f.write(ck.asm["cubin"])
         f.flush()
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    lines = [ln for ln in sass.splitlines() if "/*" in ln]
+    body = []                                 # the kernel's own instructions (the callee's spin load is not x)
+    for ln in sass.splitlines()[next(i for i, ln in enumerate(sass.splitlines()) if ln.startswith("_tile")):]:
+        if ln.startswith("$"):                # the next function's label
+            break
+        body.append(ln)
+    lines = [ln for ln in body if "/*" in ln]
     call = next((i for i, ln in enumerate(lines) if "CALL" in ln and "_wait" in ln), None)
     if call is None:
         print("no CALL to the wait in the SASS (inlined?)")

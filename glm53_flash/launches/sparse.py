@@ -72,9 +72,9 @@ class SparseLaunch(KdaLaunch):
     multiple of block_p) defaults to the smallest giving <= 16 tasks; bits: radix digit width (8 only: 4
     passes, the register-light choice of kernels/indexer.py); num_stages: the layer GEMVs' cp.async depth, 5 as
     kda's (4 x 16 KB in flight a CTA; 72 KB of shared memory, still two CTAs an SM; 3 until 2026-12-06: H100,
-    TP8 1 row pos 8191, side by side, sparse -1.2 / -2.4 us, nextn -5.3)."""
+    TP8 pos 8191, side by side, sparse 1 row -1.3 to -2.4 us in three pairs, 8 rows -2.0, nextn -5.3)."""
 
-    default_ctas_per_sm = 2     # 255 registers and 65 KB of shared memory let two CTAs share an SM: H200, TP8 1 row
+    default_ctas_per_sm = 2     # 255 registers and 72 KB of shared memory let two CTAs share an SM: H200, TP8 1 row
                                 # bf16, side by side: pos 8191 208.4 -> 187.7 us, 65535 240.1 -> 221.0, nextn 307 -> 295
                                 # (split-K stages of > 132 units, the expert slots, in one wave)
 
