@@ -260,11 +260,98 @@ def _spin2_warp0_ptx() -> str:
 SPIN2_WARP0_PTX: tl.constexpr = tl.constexpr(_spin2_warp0_ptx())
 
 
+# Chunked polls. A lane that polls a whole 128-byte line holds its 8 vector loads in 32 registers at once; where a
+# noinline wait is also called with many registers live (any call site of a noinline function limits what the
+# callee may use), ptxas gave all 8 loads the same 4 registers, so each line cost 8 dependent L2 round trips per
+# poll cycle: the wait-in-loop build of 2026-12-06 (every hop 1-3 us longer, the whole launch +14 / +31 us, kda /
+# sparse TP8; `python -m glm53_flash build --report` column "spins"). Here lane l polls 16-byte chunks
+# l, l + 32, l + 64, l + 96 (4 words each; 512 producers) with one load each, then the next four once those
+# match: a box of up to 128 producers is one load per lane whatever the register budget, up to 512 four
+# independent loads. The default of the launches' waits (sync/device.py GLM53_SPIN).
+CHUNKS_PER_CYCLE = 4
+
+
+def _chunk_loads_checks(two: bool) -> list[str]:
+    """PTX of one poll cycle of a lane at chunk %vcur: CHUNKS_PER_CYCLE loads (chunks %vcur + 32 k), then their
+    checks, then %vcur advanced past the matched prefix. two: chunk ids run over block 1's chunks, then block 2's
+    ($7 / $8)."""
+    n = CHUNKS_PER_CYCLE
+    a = []
+    for k in range(n):
+        a += [f"add.s32 %vk{k}, %vcur, {32 * k};",
+              f"setp.lt.s32 %vv{k}, %vk{k}, %vnch;"]
+        if two:
+            a += [f"setp.lt.s32 %vq, %vk{k}, %vn1;",
+                  f"sub.s32 %vloc{k}, %vk{k}, %vn1;",
+                  f"selp.b32 %vloc{k}, %vk{k}, %vloc{k}, %vq;",
+                  "selp.b64 %vbase, $1, $7, %vq;",
+                  f"selp.b32 %vnp{k}, $2, $8, %vq;"]
+        else:
+            a += [f"mov.u32 %vloc{k}, %vk{k};", "mov.u64 %vbase, $1;", f"mov.u32 %vnp{k}, $2;"]
+        regs = ", ".join(f"%vc{4 * k + j}" for j in range(4))
+        a += [f"mul.wide.u32 %va, %vloc{k}, 16;",
+              "add.u64 %va, %va, %vbase;",
+              f"@%vv{k} {SPIN_LINE_LOAD} {{{regs}}}, [%va];"]
+    for k in range(n):
+        # wanted words of the chunk: np - 4 loc (at most 4) -> mask; a chunk past the end counts as matched
+        a += [f"shl.b32 %vwant, %vloc{k}, 2;",
+              f"sub.s32 %vwant, %vnp{k}, %vwant;",
+              "setp.ge.s32 %vp2, %vwant, 4;",
+              "shl.b32 %vm, 1, %vwant;",
+              "sub.u32 %vm, %vm, 1;",
+              "selp.b32 %vm, 15, %vm, %vp2;",
+              "mov.u32 %vacc, 0;"]
+        for j in range(4):
+            a += [f"setp.eq.u32 %vp2, %vc{4 * k + j}, $3;", f"selp.u32 %vb, {1 << j}, 0, %vp2;",
+                  "or.b32 %vacc, %vacc, %vb;"]
+        a += ["and.b32 %vacc, %vacc, %vm;",
+              f"setp.eq.u32 %vm{k}, %vacc, %vm;",
+              f"or.pred %vm{k}, %vm{k}, !%vv{k};"]
+    for k in range(n):
+        a += [f"@!%vm{k} bra CH_ADV;", "add.u32 %vcur, %vcur, 32;"]
+    return a + ["CH_ADV:"]
+
+
+def _spin_chunks_ptx(two: bool = False) -> str:
+    """The spin of _spin_warp0_ptx (two: _spin2_warp0_ptx, the same operands) with chunked polls (above)."""
+    n = CHUNKS_PER_CYCLE
+    c = [f"%vc{i}" for i in range(4 * n)]
+    a = ["{", f".reg .pred %vp<7>, %vq, {', '.join(f'%vv{k}' for k in range(n))}, "
+              f"{', '.join(f'%vm{k}' for k in range(n))};",
+         f".reg .b32 {', '.join(c)};",
+         f".reg .b32 %vtid, %vcur, %vnch, %vn1, %vab, %vm, %vb, %vwant, %vacc, "
+         f"{', '.join(f'%vk{k}, %vloc{k}, %vnp{k}' for k in range(n))};",
+         ".reg .b64 %vt0, %vt1, %va, %vbase;",
+         "mov.u32 $0, 1;", "mov.u32 %vtid, %tid.x;",
+         "setp.ge.u32 %vp0, %vtid, 32;",
+         "@%vp0 bra VOTE_OUT;",
+         "add.s32 %vn1, $2, 3;", "shr.s32 %vn1, %vn1, 2;"]           # block 1's chunks
+    if two:
+        a += ["add.s32 %vnch, $8, 3;", "shr.s32 %vnch, %vnch, 2;", "add.s32 %vnch, %vnch, %vn1;"]
+    else:
+        a += ["mov.u32 %vnch, %vn1;"]
+    a += ["mov.u64 %vt0, %globaltimer;", "mov.u32 %vcur, %vtid;", "setp.eq.u32 %vp6, %vtid, 0;",
+          "VOTE_TOP:",
+          "mov.u32 %vab, 0;",
+          "@%vp6 ld.relaxed.gpu.global.u32 %vab, [$4];",
+          "setp.ge.s32 %vp1, %vcur, %vnch;",
+          "@%vp1 bra VOTE_JOIN;"]
+    a += _chunk_loads_checks(two)
+    a += ["VOTE_JOIN:", "setp.ge.s32 %vp1, %vcur, %vnch;"]
+    return "\n".join(a + _vote_end_ptx())
+
+
+SPIN_CHUNKS_PTX: tl.constexpr = tl.constexpr(_spin_chunks_ptx())
+SPIN2_CHUNKS_PTX: tl.constexpr = tl.constexpr(_spin_chunks_ptx(two=True))
+
+
 @triton.jit
-def spin2_lines_warp0(block1, n_prod1, block2, n_prod2, tag, abort_ptr, budget_ns, pin):
+def spin2_lines_warp0(block1, n_prod1, block2, n_prod2, tag, abort_ptr, budget_ns, pin,
+                      PTX: tl.constexpr = SPIN2_WARP0_PTX):
     """spin_lines_warp0 over two box blocks in one loop (n_prod1 words of block1, n_prod2 of block2): one
-    round trip per poll cycle for both, one fence. -> 1 (both complete) or 0 (abort / out of time)."""
-    return tl.inline_asm_elementwise(SPIN2_WARP0_PTX, "=r,l,r,r,l,l,r,l,r",
+    round trip per poll cycle for both, one fence. -> 1 (both complete) or 0 (abort / out of time).
+    PTX: SPIN2_CHUNKS_PTX for chunked polls."""
+    return tl.inline_asm_elementwise(PTX, "=r,l,r,r,l,l,r,l,r",
                                      [block1, n_prod1, tag, abort_ptr, budget_ns.to(tl.int64), pin, block2, n_prod2],
                                      dtype=tl.int32, is_pure=False, pack=1)
 

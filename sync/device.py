@@ -19,9 +19,10 @@ import os
 import triton
 import triton.language as tl
 
-from .asm import (clock64, cta_any, fence_acq_rel, globaltimer, grid_dep_launch, grid_dep_wait, in_interpreter, ld_const_u32,
-                  ld_relaxed_u32, ld_relaxed_u64, signal_warp0, smid, spin2_lines_warp0, spin_lines_warp0,
-                  st_relaxed_u32, st_relaxed_u64)
+from .asm import (SIGNAL_WARP0_PTX, SPIN2_CHUNKS_PTX, SPIN2_WARP0_PTX, SPIN_CHUNKS_PTX, SPIN_WARP0_PTX, clock64,
+                  cta_any, fence_acq_rel, globaltimer, grid_dep_launch, grid_dep_wait, in_interpreter, ld_const_u32, ld_relaxed_u32,
+                  ld_relaxed_u64, signal_warp0, smid, spin2_lines_warp0, spin_lines_warp0, st_relaxed_u32,
+                  st_relaxed_u64)
 from .header import H_ABORT, H_DONE, H_EPOCH, H_ERR, H_LAST_TAG, H_WAIT_CLK
 
 TAG_MASK: tl.constexpr = tl.constexpr(0xFFFFFFFF)
@@ -34,6 +35,32 @@ PDL_TRIGGER_END: tl.constexpr = tl.constexpr(_TRIGGER == "end")
 # launch-constant words (meta, task table) through the read-only path (const_word); GLM53_META_NC=0 reads them with
 # plain loads, for an A/B on one tree (a compile-time choice, read at import)
 META_NC: tl.constexpr = tl.constexpr(os.environ.get("GLM53_META_NC", "1") != "0")
+# the box spins' polls: "chunks" (16 bytes a lane, sync.asm _spin_chunks_ptx: one load a lane up to 128 producers,
+# whatever registers ptxas leaves the wait; H100 kda / sparse TP8 1 row -2.0 / -0.3 us against lines, two pairs,
+# bench/RESULTS.md tenth session) or "lines" (a 128-byte line a lane, 8 loads: the A/B); read at import
+_SPIN = os.environ.get("GLM53_SPIN", "chunks")
+if _SPIN not in ("lines", "chunks"):
+    raise ValueError(f"GLM53_SPIN={_SPIN!r} must be lines or chunks")
+SPIN_CHUNKS: tl.constexpr = tl.constexpr(_SPIN == "chunks")
+
+
+# The switch is read in the spins' bodies, never as a default argument: Triton's cache key hashes the globals a
+# function body uses, not the values of default arguments (a `CHUNKS: tl.constexpr = SPIN_CHUNKS` default gave the
+# chunked and the line builds one cache key, offline, 2026-12-06).
+@triton.jit
+def _spin1(block, n_prod, tag, abort_ptr, budget_ns, pin, CHUNKS: tl.constexpr):
+    if CHUNKS or SPIN_CHUNKS:
+        return spin_lines_warp0(block, n_prod, tag, abort_ptr, budget_ns, pin, SPIN_CHUNKS_PTX)
+    else:
+        return spin_lines_warp0(block, n_prod, tag, abort_ptr, budget_ns, pin, SPIN_WARP0_PTX)
+
+
+@triton.jit
+def _spin2(block1, n_prod1, block2, n_prod2, tag, abort_ptr, budget_ns, pin, CHUNKS: tl.constexpr):
+    if CHUNKS or SPIN_CHUNKS:
+        return spin2_lines_warp0(block1, n_prod1, block2, n_prod2, tag, abort_ptr, budget_ns, pin, SPIN2_CHUNKS_PTX)
+    else:
+        return spin2_lines_warp0(block1, n_prod1, block2, n_prod2, tag, abort_ptr, budget_ns, pin, SPIN2_WARP0_PTX)
 
 
 @triton.jit
@@ -141,7 +168,7 @@ def signal_box(box, n_cons, block_words, producer, tag, site, fault_site, BLOCK:
     if site != fault_site:
         if not in_interpreter():
             tl.debug_barrier()      # the CTA's stores before warp 0's fence (one warp fences, not four)
-            signal_warp0(box, n_cons, block_words, producer, tag)
+            signal_warp0(box, n_cons, block_words, producer, tag, SIGNAL_WARP0_PTX)   # named here: in the cache key
         else:
             release_cta()
             c = 0
@@ -261,7 +288,7 @@ def _box_check(block, n_prod, tag, hdr, site, cta):
 
 
 @triton.jit
-def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns):
+def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns, CHUNKS: tl.constexpr = False):
     """Wait until the first `n_prod` words of block `consumer` of the box carry `tag` -> ok (uniform).
     `cta` (this CTA's id) only goes into the error record.
 
@@ -278,7 +305,7 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns)
     if in_interpreter():
         ok = _box_check(block, n_prod, tag, hdr, site, cta)
     else:
-        live = spin_lines_warp0(block, n_prod, tag, hdr + H_ABORT, budget_ns, clk)  # warp 0: outcome; others 1
+        live = _spin1(block, n_prod, tag, hdr + H_ABORT, budget_ns, clk, CHUNKS)  # warp 0: outcome; others 1
         # the CTA's outcome in every thread in one bar.red.or.pred, a CTA barrier that also orders every thread
         # after warp 0's fence. The tensor min it replaces went through shared memory with a predicated load,
         # whose register ptxas kept in local memory, reloaded (LDL) right after the fence's CCTL.IVALL (offline
@@ -292,7 +319,8 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns)
 
 
 @triton.jit
-def wait_box2(box1, words1, n_prod1, site1, box2, words2, n_prod2, site2, consumer, tag, hdr, cta, budget_ns):
+def wait_box2(box1, words1, n_prod1, site1, box2, words2, n_prod2, site2, consumer, tag, hdr, cta, budget_ns,
+              CHUNKS: tl.constexpr = False):
     """wait_box for two boxes a task needs together, in one spin (sync.asm.spin2_lines_warp0): one round trip
     per poll cycle and one fence for both, where two waits cost two of each (~1.5 us a wait, even when
     its box is long complete). The budget is the earlier site's (staggered_budget): a consumer of a stalled
@@ -307,7 +335,7 @@ def wait_box2(box1, words1, n_prod1, site1, box2, words2, n_prod2, site2, consum
         if ok != 0:
             ok = _box_check(block2, n_prod2, tag, hdr, site2, cta)
     else:
-        live = spin2_lines_warp0(block1, n_prod1, block2, n_prod2, tag, hdr + H_ABORT, budget_ns, clk)
+        live = _spin2(block1, n_prod1, block2, n_prod2, tag, hdr + H_ABORT, budget_ns, clk, CHUNKS)
         ok = 1 - cta_any(1 - live)
         if ok == 0:
             ok = _box_check(block1, n_prod1, tag, hdr, site1, cta)

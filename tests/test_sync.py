@@ -182,10 +182,12 @@ def test_spin_check_catches_a_barrier():
     assert spin_regions_without_barrier(asm + "bar.sync 0;\n" + asm.replace("@%p1", "bar.sync 0;\n@%p1")) == [8]
 
 
-def sm90_ptx(script: str) -> str:
-    """PTX printed (as JSON {"ptx": ...}) by a compile script run without TRITON_INTERPRET."""
+def sm90_ptx(script: str, **env_over) -> str:
+    """PTX printed (as JSON {"ptx": ...}) by a compile script run without TRITON_INTERPRET (env_over: more
+    environment, e.g. a switch read at import)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
+    env.update(env_over)
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -193,11 +195,25 @@ def sm90_ptx(script: str) -> str:
 
 
 def test_sm90_ptx_spin_has_no_cta_barrier():
-    ptx = sm90_ptx(_COMPILE)
+    ptx = sm90_ptx(_COMPILE, GLM53_SPIN="lines")
     assert ptx.count(SPIN_LINE_LOAD) >= 16         # two box waits, 8 vector loads each
     assert "st.relaxed.gpu.global.b64" in ptx and PAIR_LOAD in ptx
     assert "%globaltimer" in ptx
     assert spin_regions_without_barrier(ptx) == []
+
+
+def test_sm90_ptx_chunked_spin():
+    """GLM53_SPIN=chunks, the default (sync.asm._spin_chunks_ptx): each wait polls CHUNKS_PER_CYCLE 16-byte chunks a
+    lane (not 8 loads of a line), with no CTA barrier inside the spin; GLM53_SPIN=lines keeps its 8. The chunk math
+    itself runs on the GPU only (the interpreter waits through _box_check): scripts/stress.py, the GPU tests."""
+    from sync.asm import CHUNKS_PER_CYCLE, _spin_chunks_ptx
+    ptx = sm90_ptx(_COMPILE, GLM53_SPIN="chunks")
+    assert sm90_ptx(_COMPILE) == ptx                                    # the default
+    assert ptx.count(SPIN_LINE_LOAD) == 2 * CHUNKS_PER_CYCLE         # the self-test's two box waits
+    assert spin_regions_without_barrier(ptx) == []
+    assert "CH_ADV" in ptx and "+16]" not in _spin_chunks_ptx()       # 16-byte steps come from the chunk index
+    two = _spin_chunks_ptx(two=True)
+    assert two.count(SPIN_LINE_LOAD) == CHUNKS_PER_CYCLE and "$7" in two and "$8" in two
 
 
 @triton.jit
