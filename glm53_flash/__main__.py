@@ -345,7 +345,7 @@ def cmd_build(a) -> int:
         with open(a.json, "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-    return 0 if all(r["fits"] for r in rows) else 1
+    return 0 if all(br.passes(r) for r in rows) else 1
 
 
 def main(argv=None) -> int:

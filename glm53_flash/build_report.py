@@ -101,7 +101,7 @@ def dsa_spec(kind: str, tp: int, fp8: bool, warps: int = 4, block_t: int | None 
         sig.update({n: "*fp32" for n in ("S_qa", "S_kva", "S_qb", "S_o", "S_g", "S_u", "S_d", "s_gu", "s_de")})
     NH, I = 64 // tp, 2048 // tp
     real = dict(H=4096, QL=1536, C=512, DI=128, NI=32, NA=2336, NH=NH, DN=256, DV=256, NQ=NH * 256 + 4096, KP=4,
-                TOPK=512, WIDTH=2051, I=I, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=3, BLOCK_C=32, GATE_BH=512,
+                TOPK=512, WIDTH=2051, I=I, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=5, BLOCK_C=32, GATE_BH=512,
                 ITERS=20, ROWS_PAD=8, ACT_F32=False, ABS_C=64, ABS_CK=64, HB=min(16, NH), BLOCK_T=block_t, ATT_CK=32,
                 OUT_N=64, OUT_PF=128, BLOCK_P=64, T_MAX=16, BITS=8, SEL_BLOCK=1024, NORM_BLOCK=4096, E=288, KE=8,
                 I_E=I, E_PAD=512, K_PAD=8, RENORM=True, BLOCK_E=ROUTER_BLOCK_E, RCK=32, NEXTN=kind == "nextn",
@@ -192,22 +192,32 @@ def report_rows(blds: list[dict], stats: list[dict], n_sm: int = N_SM) -> list[d
         rows.append(dict(kind=b["kind"], tp=b["tp"], fmt=b["fmt"], widths=",".join(map(str, b["widths"])),
                          warps=b["spec"][4], regs=s["regs"], spill=s["spill"], shared=s["shared"], ctas_per_sm=cap,
                          launch_ctas_per_sm=want, fits=fits, code=s.get("code_instructions"),
-                         copies={k: v for k, v in s.get("functions", {}).items() if v[0] > 1}))
+                         copies={k: v for k, v in s.get("functions", {}).items() if v[0] > 1},
+                         serial_spins={k: v for k, v in s.get("spins", {}).items() if v[1] < v[0]}))
     return rows
+
+
+def passes(row: dict) -> bool:
+    """A build the command accepts: its grid is resident and no box spin's polls were serialised."""
+    return row["fits"] and not row.get("serial_spins")
 
 
 def format_table(rows: list[dict]) -> str:
     """The residency table; `code`: SASS instructions of the kernel and its noinline functions (sm90_regs), and
-    the functions compiled more than once (copies: what a constexpr argument of a noinline function costs)."""
-    head = ("kind", "TP", "weights", "widths", "warps", "registers", "spill B", "shared KB", "CTAs/SM", "launch", "fits",
-            "code", "copies")
+    the functions compiled more than once (copies: what a constexpr argument of a noinline function costs);
+    `spins`: "ok", or each wait function whose poll loads share registers (loads / registers: every hop of the
+    launch pays a round trip per load instead of one per poll cycle; sync/asm.py, chunked polls)."""
+    head = ("kind", "TP", "weights", "widths", "warps", "registers", "spill B", "shared KB", "CTAs/SM", "launch",
+            "fits", "code", "copies", "spins")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         code = "-" if r.get("code") is None else r["code"]
         copies = ", ".join(f"{k} x{v[0]}" for k, v in sorted(r.get("copies", {}).items())) or "-"
+        spins = ", ".join(f"SERIAL {k} {v[0]} loads / {v[1]} registers"
+                          for k, v in sorted(r.get("serial_spins", {}).items())) or "ok"
         lines.append(" | ".join(str(x) for x in (r["kind"], r["tp"], r["fmt"], r["widths"], r["warps"], r["regs"],
                                                   r["spill"], math.ceil(r["shared"] / 1024), r["ctas_per_sm"],
                                                   (f"<= {r['launch_ctas_per_sm']}" if r["kind"] == "tail" else
                                                    r["launch_ctas_per_sm"]), "yes" if r["fits"] else "NO", code,
-                                                  copies)))
+                                                  copies, spins)))
     return "\n".join(lines)

@@ -16,7 +16,9 @@ function; Triton compiles a noinline function once per set of constexpr argument
 SM's instruction cache holds twice), and "code_instructions", their sum. A task's code that is not in that cache
 costs ~6 cycles an instruction on the H200 (bench/RESULTS.md steps 23-25): code size is a budget like registers.
 "calls": {short name: CALL instructions targeting it in the SASS}: a warmed body (launches/ffn.py WARM_CODE) must
-be called twice, the dry run and the real call, through one copy.
+be called twice, the dry run and the real call, through one copy. "spins": {short name: [poll loads, distinct
+destination registers]} of each function holding a box spin: fewer registers than loads is a spin whose polls
+ptxas serialised (a noinline wait called where the caller holds many registers; sync/asm.py, chunked polls).
 """
 from __future__ import annotations
 
@@ -64,15 +66,39 @@ def functions(cubin):
     return fns, total
 
 
-def call_sites(cubin):
-    """{short name: CALL instructions that target it} in the sm_90 SASS (nvdisasm of the cubin): a noinline function
-    whose every call site survived to the SASS. One symbol with fewer calls than call sites in the source means a
-    call was inlined (a second specialisation compiled into its caller), which the symbol count cannot see."""
+def sass_of(cubin):
     nvdisasm = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(cubin)
     sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
     os.unlink(f.name)
+    return sass
+
+
+def spin_polls(sass):
+    """{short name: [poll loads, distinct destination registers]} of every function that holds a box spin (a warp
+    vote, VOTE.ALL, beside 16-byte strong loads: sync.asm's spins; of a function compiled more than once, its worst
+    copy). Fewer registers than loads: ptxas gave the polls of one cycle the same registers, so each waits for the
+    one before (a round trip each, not one a cycle)."""
+    out, name, polls = {}, None, []
+    for ln in sass.splitlines() + ["END:"]:
+        m = re.match(r"^(\S+):\s*$", ln)
+        if m and not m.group(1).startswith(".L"):
+            if name and any("VOTE.ALL" in p for p in polls):
+                regs = [re.search(r"LDG\.E\.128\.STRONG\.GPU\s+(R\d+)", p).group(1) for p in polls if "LDG" in p]
+                got = [len(regs), len(set(regs))]
+                if name not in out or got[0] - got[1] > out[name][0] - out[name][1]:
+                    out[name] = got                        # copies of one function: the worst
+            name, polls = m.group(1).split("__P")[0].split("_$_")[-1].strip("$"), []
+        elif "LDG.E.128.STRONG.GPU" in ln or "VOTE.ALL" in ln:
+            polls.append(ln)
+    return out
+
+
+def call_sites(sass):
+    """{short name: CALL instructions that target it} in the sm_90 SASS (nvdisasm of the cubin): a noinline function
+    whose every call site survived to the SASS. One symbol with fewer calls than call sites in the source means a
+    call was inlined (a second specialisation compiled into its caller), which the symbol count cannot see."""
     calls = {}
     for m in re.finditer(r"CALL\.REL\.NOINC\s+`\(([^)`]*)\)", sass):
         short = m.group(1).split("__P")[0].split("_$_")[-1].strip("$")
@@ -102,9 +128,10 @@ for spec in json.loads(sys.argv[1]):
     regs = max(int(m) for m in re.findall(r"Used (\d+) registers", log))
     spill = sum(int(m) for m in re.findall(r"(\d+) bytes spill stores", log))
     fns, total = functions(c.asm["cubin"])
+    sass = sass_of(c.asm["cubin"])
     out.append(dict(kernel=name, consts=consts, warps=warps, regs=regs, spill=spill, shared=c.metadata.shared,
                     ptx_counts={g: c.asm["ptx"].count(g) for g in grep}, functions=fns, code_instructions=total,
-                    calls=call_sites(c.asm["cubin"])))
+                    calls=call_sites(sass), spins=spin_polls(sass)))
 print(json.dumps(out))
 '''
 

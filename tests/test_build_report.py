@@ -27,7 +27,20 @@ def test_residency_verdict_on_planted_stats():
     table = br.format_table(rows)
     assert table.count("| NO") == 2 and "<= 4" in table
     assert rows[0]["code"] == 5000 and rows[0]["copies"] == {"_wait_box": [15, 2900]} and "| 5000 | _wait_box x15" in table
-    assert rows[1]["code"] is None and table.splitlines()[3].endswith("| - | -")
+    assert rows[1]["code"] is None and table.splitlines()[3].endswith("| - | - | ok")
+    assert [br.passes(r) for r in rows] == [True, False, True, False]
+
+
+def test_a_serialised_spin_fails_the_report():
+    """The wait-in-loop build of 2026-12-06: _wait_box's 8 line loads in one register set (8 round trips a poll
+    cycle, every hop slower). The report names it and the command fails, as for a build that does not fit."""
+    stats = [dict(regs=244, spill=0, shared=72 * 1024, spins={"_wait_box": [8, 1], "_wait_box2": [8, 8]}),
+             dict(regs=244, spill=0, shared=72 * 1024, spins={"_wait_box": [8, 8], "_wait_in_loop": [4, 4]})]
+    rows = br.report_rows([_bld("kda"), _bld("kda")], stats)
+    assert rows[0]["serial_spins"] == {"_wait_box": [8, 1]} and rows[1]["serial_spins"] == {}
+    assert [br.passes(r) for r in rows] == [False, True]
+    table = br.format_table(rows).splitlines()
+    assert table[2].endswith("| SERIAL _wait_box 8 loads / 1 registers") and table[3].endswith("| ok")
 
 
 def test_builds_share_widths_except_the_tail():
@@ -64,6 +77,7 @@ def test_build_report_command_compiles(tmp_path, capsys):
     assert row["kind"] == "dense" and row["tp"] == "8" and row["fits"]
     assert 0 < row["regs"] <= DEFAULT_MAXNREG and row["shared"] > 0 and row["ctas_per_sm"] >= 2
     assert row["code"] > 1000 and "_wait_box" not in row["copies"]        # one compiled copy of the spin
+    assert row["serial_spins"] == {}                                       # its polls pipelined
     assert "dense | 8 | bf16 | 1,2,4,8" in capsys.readouterr().out
 
 
