@@ -11,6 +11,7 @@ is ever made on the CPU. The launches take it as they take a Checkpoint (launche
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Mapping
 
 import torch
@@ -36,9 +37,10 @@ def piece_bytes(spec, tp: int, fmt: str) -> int:
     return n * spec.dtype.itemsize
 
 
-def _gen(spec, shape, device) -> torch.Tensor:
-    """fp32 random values at the init rule's scale (weights.random_tensor's rules, made on `device`)."""
-    x = torch.randn(shape, device=device)
+def _gen(spec, shape, device, g=None) -> torch.Tensor:
+    """fp32 random values at the init rule's scale (weights.random_tensor's rules, made on `device` by
+    generator g)."""
+    x = torch.randn(shape, device=device, generator=g)
     r, f = spec.init, max(spec.fan_in, 1)
     if r in ("linear", "mirrored_heads"):
         x *= f ** -0.5
@@ -92,16 +94,24 @@ class RankSource:
         if name not in self._cache:
             spec = self.specs[name]
             shape = tp_mod.local_shape(spec, self.tp_size)
-            x = _gen(spec, shape, self.device)
+            g = self._generator(name)
+            x = _gen(spec, shape, self.device, g)
             if piece_fp8(spec, self.tp_size, self.format):
                 grid = (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128))
-                s = FP8_SCALE * (1 + 0.05 * torch.rand(grid, device=self.device))
+                s = FP8_SCALE * (1 + 0.05 * torch.rand(grid, device=self.device, generator=g))
                 full = s.repeat_interleave(128, 0)[: shape[0]].repeat_interleave(128, 1)[:, : shape[1]]
                 w = (x / full).clamp(-448, 448).to(torch.float8_e4m3fn)
                 self._cache[name] = (w, s)
             else:
                 self._cache[name] = (x.to(spec.dtype).contiguous(), None)
         return self._cache[name]
+
+    def _generator(self, name: str) -> torch.Generator:
+        """A generator seeded by (seed, name): the same piece has the same values in every process and whatever
+        pieces were made before it (the global RNG made them differ from run to run, so two builds could not be
+        compared bit for bit: scripts/diag_layers.py --same-as)."""
+        key = (self.seed * 1000003 + zlib.crc32(name.encode()) + 7919 * self.tp_rank) % (2 ** 63)
+        return torch.Generator(device=self.device).manual_seed(key)
 
     def bf16(self, name: str) -> torch.Tensor:
         """The piece as bf16 (FP8 dequantized) for the torch baseline."""

@@ -94,6 +94,12 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0,
                     help="GPU: after the checks, N more checked persistent launches with their wall times (a "
                          "repeated-launch check; where the time goes inside a launch is --trace)")
+    ap.add_argument("--save", default=None, metavar="PATH",
+                    help="after the checks, one more launch's outputs (X'; TP > 1 layer kinds: this rank's own o_proj "
+                         "and down partials too) written to PATH (torch.save), for --same-as in another process")
+    ap.add_argument("--same-as", default=None, metavar="PATH",
+                    help="compare this run's --save outputs with PATH's bit for bit (a build switch read at import, "
+                         "e.g. GLM53_WAIT_IN_LOOP, against the default: two processes); exit 1 on any difference")
     args = ap.parse_args(argv)
     import torch
     from glm53_flash.config import preset
@@ -144,9 +150,29 @@ def main(argv=None) -> int:
         print(f"-- traced launch's outputs bitwise equal to the plain launch's: {'yes' if same else 'NO'}")
         if not same:
             return 1
+    if args.save or args.same_as:
+        out = _outputs(L, run)
+        if args.save:
+            torch.save(out, args.save)
+        if args.same_as:
+            ref = torch.load(args.same_as)
+            diff = [k for k in sorted(set(ref) | set(out)) if not _same(ref.get(k), out.get(k))]
+            print(f"-- outputs bitwise equal to {args.same_as}'s: "
+                  f"{'yes (' + ', '.join(sorted(out)) + ')' if not diff else 'NO: ' + ', '.join(diff)}")
+            if diff:
+                return 1
     if args.profile and device == "cuda":
         profile(run, args.profile)
     return 0
+
+
+def _outputs(L, run) -> dict:
+    """One launch's outputs by name (CPU tensors): 'out' (what run returns) and, for a TP > 1 layer kind, this
+    rank's own o_proj / down partials (independent of the loopback peers' inputs)."""
+    out = {"out": _snapshot(run())}
+    if getattr(L, "tp_size", 1) > 1 and hasattr(L, "own_partials"):
+        out["o_partial"], out["down_partial"] = L.own_partials()
+    return {k: (v.cpu() if hasattr(v, "cpu") else [t.cpu() for t in v]) for k, v in out.items()}
 
 
 def _snapshot(out):

@@ -54,3 +54,23 @@ def test_fp8_roundtrip_bound():
     # e4m3 keeps 3 mantissa bits: relative rounding error <= 2^-4 of the element, <= 2^-4 * block amax
     amax = w.abs().max()
     assert err.max() <= 2 ** -4 * amax
+
+
+def test_rank_source_is_seeded():
+    """device_weights.RankSource (time_layers' / diag_layers' random weights): a piece has the same values in every
+    process and whatever pieces were made before it (diag_layers --same-as compares two processes' builds bit for
+    bit), and another seed or rank gives other values."""
+    import torch
+    from glm53_flash.config import preset
+    from glm53_flash.device_weights import RankSource
+    cfg = preset("tiny")
+    a, b = RankSource(cfg, 0, 2, "fp8", "cpu"), RankSource(cfg, 0, 2, "fp8", "cpu")
+    names = list(a.specs)[:4]
+    for n in names:                                         # made in the opposite order in b
+        a.get(n)
+    for n in reversed(names):
+        assert torch.equal(b.get(n)[0].view(torch.uint8), a.get(n)[0].view(torch.uint8))
+        if a.get(n)[1] is not None:
+            assert torch.equal(b.get(n)[1], a.get(n)[1])
+    for other in (RankSource(cfg, 0, 2, "fp8", "cpu", seed=1), RankSource(cfg, 1, 2, "fp8", "cpu")):
+        assert not torch.equal(other.get(names[0])[0].float(), a.get(names[0])[0].float())
