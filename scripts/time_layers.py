@@ -489,6 +489,7 @@ def time_model(args, dry: bool, bw: float, card: dict) -> list[dict]:
 def build_kind(kind, cfg, args, device):
     if kind == "tail":
         opts = dict(num_warps=args.num_warps, block_n=args.block_n, block_k=args.block_k, num_stages=args.num_stages,
+                    l2_prefetch_k=args.l2_prefetch_k,
                     grid=(args.ctas_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
                           if args.ctas_per_sm and device != "cpu" else None))
         cases = build_tail(cfg, args.tp, args.rows, args.weights, device, opts)
@@ -569,7 +570,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ctas-per-sm", type=int, default=None,
                     help="tail / layer kinds: persistent grid = this many CTAs per SM (default: the launch's; "
                          "a grid that cannot be co-resident is refused)")
+    ap.add_argument("--l2-prefetch-k", type=int, default=None,
+                    help="tail: columns of each row of a CTA's first tile moved toward L2 before its xn wait "
+                         "(default: the launch's, 256)")
     args = ap.parse_args(argv)
+    if args.l2_prefetch_k is not None and (args.kind != "tail" or args.l2_prefetch_k < 1):
+        ap.error(f"--l2-prefetch-k {args.l2_prefetch_k}: a positive column count, for --kind tail")
     try:
         args.rows_list = [int(v) for v in str(args.rows).split(",") if v.strip()]
     except ValueError:
