@@ -48,16 +48,17 @@ SPIN_CHUNKS: tl.constexpr = tl.constexpr(_SPIN == "chunks")
 # function body uses, not the values of default arguments (a `CHUNKS: tl.constexpr = SPIN_CHUNKS` default gave the
 # chunked and the line builds one cache key, offline, 2026-12-06).
 @triton.jit
-def _spin1(block, n_prod, tag, abort_ptr, budget_ns, pin, CHUNKS: tl.constexpr):
-    if CHUNKS or SPIN_CHUNKS:
+def _spin1(block, n_prod, tag, abort_ptr, budget_ns, pin, POLLS: tl.constexpr):
+    # POLLS: 0 = GLM53_SPIN's choice, 1 = chunks, 2 = lines
+    if (POLLS == 1) or ((POLLS == 0) and SPIN_CHUNKS):
         return spin_lines_warp0(block, n_prod, tag, abort_ptr, budget_ns, pin, SPIN_CHUNKS_PTX)
     else:
         return spin_lines_warp0(block, n_prod, tag, abort_ptr, budget_ns, pin, SPIN_WARP0_PTX)
 
 
 @triton.jit
-def _spin2(block1, n_prod1, block2, n_prod2, tag, abort_ptr, budget_ns, pin, CHUNKS: tl.constexpr):
-    if CHUNKS or SPIN_CHUNKS:
+def _spin2(block1, n_prod1, block2, n_prod2, tag, abort_ptr, budget_ns, pin, POLLS: tl.constexpr):
+    if (POLLS == 1) or ((POLLS == 0) and SPIN_CHUNKS):
         return spin2_lines_warp0(block1, n_prod1, block2, n_prod2, tag, abort_ptr, budget_ns, pin, SPIN2_CHUNKS_PTX)
     else:
         return spin2_lines_warp0(block1, n_prod1, block2, n_prod2, tag, abort_ptr, budget_ns, pin, SPIN2_WARP0_PTX)
@@ -288,10 +289,12 @@ def _box_check(block, n_prod, tag, hdr, site, cta):
 
 
 @triton.jit
-def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns, CHUNKS: tl.constexpr = False):
+def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns, POLLS: tl.constexpr = 0):
     """Wait until the first `n_prod` words of block `consumer` of the box carry `tag` -> ok (uniform).
     `cta` (this CTA's id) only goes into the error record.
 
+    POLLS: 0 = GLM53_SPIN's choice (chunked by default), 1 = chunked, 2 = line polls (the tail's wait: the
+    chunked spin spilled under its 120-register cap).
     Warp 0 polls the block's 128-byte lines (a line per lane, relaxed vector loads; lane 0 loads the abort
     word in the same round trip; warp votes end the loop; one fence: sync.asm.spin_lines_warp0); then one
     reduction over the threads' outcomes, whose CTA barrier orders every thread after warp 0's acquire.
@@ -305,7 +308,7 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns,
     if in_interpreter():
         ok = _box_check(block, n_prod, tag, hdr, site, cta)
     else:
-        live = _spin1(block, n_prod, tag, hdr + H_ABORT, budget_ns, clk, CHUNKS)  # warp 0: outcome; others 1
+        live = _spin1(block, n_prod, tag, hdr + H_ABORT, budget_ns, clk, POLLS)  # warp 0: outcome; others 1
         # the CTA's outcome in every thread in one bar.red.or.pred, a CTA barrier that also orders every thread
         # after warp 0's fence. The tensor min it replaces went through shared memory with a predicated load,
         # whose register ptxas kept in local memory, reloaded (LDL) right after the fence's CCTL.IVALL (offline
@@ -320,7 +323,7 @@ def wait_box(box, consumer, block_words, n_prod, tag, hdr, site, cta, budget_ns,
 
 @triton.jit
 def wait_box2(box1, words1, n_prod1, site1, box2, words2, n_prod2, site2, consumer, tag, hdr, cta, budget_ns,
-              CHUNKS: tl.constexpr = False):
+              POLLS: tl.constexpr = 0):
     """wait_box for two boxes a task needs together, in one spin (sync.asm.spin2_lines_warp0): one round trip
     per poll cycle and one fence for both, where two waits cost two of each (~1.5 us a wait, even when
     its box is long complete). The budget is the earlier site's (staggered_budget): a consumer of a stalled
@@ -335,7 +338,7 @@ def wait_box2(box1, words1, n_prod1, site1, box2, words2, n_prod2, site2, consum
         if ok != 0:
             ok = _box_check(block2, n_prod2, tag, hdr, site2, cta)
     else:
-        live = _spin2(block1, n_prod1, block2, n_prod2, tag, hdr + H_ABORT, budget_ns, clk, CHUNKS)
+        live = _spin2(block1, n_prod1, block2, n_prod2, tag, hdr + H_ABORT, budget_ns, clk, POLLS)
         ok = 1 - cta_any(1 - live)
         if ok == 0:
             ok = _box_check(block1, n_prod1, tag, hdr, site1, cta)

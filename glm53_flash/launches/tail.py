@@ -151,7 +151,9 @@ def _norm_local_task(X, norm_w, xn, ssq, rows, H: tl.constexpr, XR: tl.constexpr
 
 @triton.jit(noinline=True)
 def _wait_xn(box, pid, box_words, n_norm, tag, hdr, site_xn, timeout_ns):
-    return wait_box(box, pid, box_words, n_norm, tag, hdr, site_xn, pid, timeout_ns)
+    # line polls (POLLS 2): under the tail's 120-register cap the chunked spin spilled 60 B (tests/test_tail.py
+    # test_sm90_registers_offline), and the xn box is one wait per CTA, not called from a register-heavy site
+    return wait_box(box, pid, box_words, n_norm, tag, hdr, site_xn, pid, timeout_ns, 2)
 
 
 @triton.jit(noinline=True)
