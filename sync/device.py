@@ -20,9 +20,9 @@ import triton
 import triton.language as tl
 
 from .asm import (SIGNAL_WARP0_PTX, SPIN2_CHUNKS_PTX, SPIN2_WARP0_PTX, SPIN_CHUNKS_PTX, SPIN_WARP0_PTX, clock64,
-                  cta_any, fence_acq_rel, globaltimer, grid_dep_launch, grid_dep_wait, in_interpreter, ld_const_u32, ld_relaxed_u32,
-                  ld_relaxed_u64, signal_warp0, smid, spin2_lines_warp0, spin_lines_warp0, st_relaxed_u32,
-                  st_relaxed_u64)
+                  cta_any, fence_acq_rel, globaltimer, grid_dep_launch, grid_dep_wait, in_interpreter, ld_const_u32,
+                  ld_relaxed_u32, ld_relaxed_u64, signal_warp0, smid, spin2_lines_warp0, spin_lines_warp0,
+                  st_relaxed_u32, st_relaxed_u64)
 from .header import H_ABORT, H_DONE, H_EPOCH, H_ERR, H_LAST_TAG, H_WAIT_CLK
 
 TAG_MASK: tl.constexpr = tl.constexpr(0xFFFFFFFF)
@@ -36,8 +36,8 @@ PDL_TRIGGER_END: tl.constexpr = tl.constexpr(_TRIGGER == "end")
 # plain loads, for an A/B on one tree (a compile-time choice, read at import)
 META_NC: tl.constexpr = tl.constexpr(os.environ.get("GLM53_META_NC", "1") != "0")
 # the box spins' polls: "chunks" (16 bytes a lane, sync.asm _spin_chunks_ptx: one load a lane up to 128 producers,
-# whatever registers ptxas leaves the wait; H100 kda / sparse TP8 1 row -2.0 / -0.3 us against lines, two pairs,
-# bench/RESULTS.md tenth session) or "lines" (a 128-byte line a lane, 8 loads: the A/B); read at import
+# whatever registers ptxas leaves the wait; H100 kda TP8 1 row -1.8 us against lines in four pairs, sparse / dense
+# within noise, bench/RESULTS.md tenth session) or "lines" (a 128-byte line a lane, 8 loads: the A/B); read at import
 _SPIN = os.environ.get("GLM53_SPIN", "chunks")
 if _SPIN not in ("lines", "chunks"):
     raise ValueError(f"GLM53_SPIN={_SPIN!r} must be lines or chunks")
