@@ -20,16 +20,20 @@ LAYER_KINDS = ("embed", "dense", "kda")
 N_SM = 132                      # H100 / H200
 
 
-def k_splits(c: dict, fp8: bool) -> dict:
-    """KS_IN / KS_GU / KS_E / KG as the launches choose them for the constexprs c (layer_host.py k_split_for,
-    kda.py choose_groups)."""
+def k_splits(c: dict, fp8: bool, tp: int, k_o: int, wb_o: int) -> dict:
+    """KS_IN / KS_GU / KS_E / KG / KS_O as the launches choose them for the constexprs c (layer_host.py
+    k_split_for, _oproj_split and _no_moe, kda.py choose_groups); k_o, wb_o: o_proj's K and weight bytes."""
+    from .launches.mixer_kda import TP_MAX
     from .schedule import choose_groups, choose_k_split
     wb = 1 if fp8 else 2
     step = c["BLOCK_N"] * 128
+    tiles = c["H"] // c["BLOCK_N"]
     ks = lambda n, w: choose_k_split(-(-n // c["BLOCK_N"]), c["H"] // 128, step * w)     # noqa: E731
     return dict(KS_IN=ks(c["N_IN"], 2) if "N_IN" in c else 1, KS_GU=ks(c["I"], 2 * wb),
                 KS_E=ks(c["KE"] * c["I_E"], 2 * wb) if c["MOE"] else 1,
-                KG=choose_groups(c["H"] // c["BLOCK_N"], c["KE"] + 1, c["BLOCK_N"] * c["I_E"] * wb) if c["MOE"] else 1)
+                KG=choose_groups(tiles, c["KE"] + 1, c["BLOCK_N"] * c["I_E"] * wb) if c["MOE"] else
+                choose_groups(tiles, c["I"] // 128, step * wb),
+                KS_O=1 if tp > 1 else choose_groups(tiles, k_o // 128, step * wb_o, max_groups=TP_MAX.value))
 
 
 def layer_consts(tp: int = 1, moe: bool = False, embed: bool = False, fp8: bool = False) -> dict:
@@ -42,7 +46,7 @@ def layer_consts(tp: int = 1, moe: bool = False, embed: bool = False, fp8: bool 
              EMBED=embed, ACT_F32=False, MOE=moe, E=288 if moe else 1, KE=8 if moe else 1,
              I_E=(2048 // tp) if moe else 1, E_PAD=512 if moe else 1, K_PAD=8 if moe else 1, RENORM=True,
              BLOCK_E=ROUTER_BLOCK_E, RCK=32, TRACE=False)
-    c.update(k_splits(c, fp8))
+    c.update(k_splits(c, fp8, tp, D, 2))
     return c
 
 
@@ -110,8 +114,8 @@ def dsa_spec(kind: str, tp: int, fp8: bool, warps: int = 4, block_t: int | None 
     real.update(HB=sp.heads_per_task, BLOCK_T=block_t or sp.block_t, ATT_CK=att_chunk(block_t or sp.block_t, 512),
                 **dict(zip(("NS_PAD", "SB"), join_chunk(sp.n_splits if not block_t else -(-2051 // block_t), 512))))
     from .schedule import choose_k_split
-    ks = k_splits(real, fp8)
-    real.update(KS_GU=ks["KS_GU"], KS_E=ks["KS_E"], KG=ks["KG"], Q_PAD=2048, C_PAD=512, NI_PAD=32,
+    ks = k_splits(real, fp8, tp, NH * 256, 1 if fp8 else 2)
+    real.update(KS_GU=ks["KS_GU"], KS_E=ks["KS_E"], KG=ks["KG"], KS_O=ks["KS_O"], Q_PAD=2048, C_PAD=512, NI_PAD=32,
                 KS_A=choose_k_split(-(-2336 // 64), 4096 // 128, 64 * 128 * (1 if fp8 else 2)))   # sparse.py ks_a
     del real["MOE"]
     if set(real) != set(const):

@@ -69,13 +69,14 @@ def choose_k_split(n_tiles: int, k_steps: int, step_bytes: int, *, max_split: in
 JOIN_US = 2.0                   # a join stage's extra hop (the partials' wait, the join, its publish)
 
 
-def choose_groups(n_tiles: int, n_parts: int, part_bytes: int) -> int:
-    """Groups (a divisor of n_parts) to split each tile's n_parts equal K parts into (e.g. a MoE down tile's
-    K + 1 expert GEMVs), joined by a later stage in group order: stage_time_us plus JOIN_US for a split,
-    minimised on the nominal grid; shapes only, as choose_k_split. KDA TP1 moe_down (64 tiles x 9 x 256 KB):
-    3; TP8 (9 x 32 KB): 3."""
+def choose_groups(n_tiles: int, n_parts: int, part_bytes: int, max_groups: int | None = None) -> int:
+    """Groups (a divisor of n_parts, <= max_groups) to split each tile's n_parts equal K parts into (e.g. a MoE
+    down tile's K + 1 expert GEMVs, or a GEMV's K steps), joined by a later stage in group order: stage_time_us
+    plus JOIN_US for a split, minimised on the nominal grid; shapes only, as choose_k_split. KDA TP1 moe_down
+    (64 tiles x 9 x 256 KB): 3; TP8 (9 x 32 KB): 3. Dense down (64 tiles x 96 / 12 steps of 16 KB): 3 at TP 1
+    and TP 8; o_proj at TP 1 (64 x 64 steps): 4."""
     best, best_t = 1, stage_time_us(n_tiles, n_parts * part_bytes)
-    for d in range(2, n_parts + 1):
+    for d in range(2, min(n_parts, max_groups or n_parts) + 1):
         if n_parts % d == 0:
             t = stage_time_us(n_tiles * d, n_parts * part_bytes / d) + JOIN_US
             if t < best_t - 1e-9:

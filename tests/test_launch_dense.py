@@ -205,6 +205,56 @@ def test_dense_tp2_row_groups_same_bits(tiny_cfg, tiny_weights, tiny_ref, gen, o
                    tp=2, rank=r, label="row groups")
 
 
+def test_dense_split_k_oproj_and_down(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch):
+    """o_proj and the down GEMV in K slices (the real TP1 shapes' choice, layer_host.py _oproj_split / _no_moe):
+    o_proj's slices as sources of the xo rank sum (o_sum stage), the down's as dpart planes joined by down_join.
+    Pinned at 2 / 2 on the tiny shapes: the reference (3 of 4 rows, poisoned scratch), the unsplit launch up to
+    rounding (another sum order), a row's bits whatever the width, grid and other rows, both new wait sites
+    faulted with the caller's state untouched and a clean launch after; and the down's slices at simulated TP2
+    (down_join publishes xd)."""
+    X, caches = make_step(tiny_cfg, tiny_ref, DENSE_LAYER, 3, gen)
+    S, W = rank_state(tiny_cfg, caches, DENSE_LAYER)
+    unsplit = DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, width=4)
+    assert (unsplit.ks_o, unsplit.kg) == (1, 1)          # the tiny shapes' own choice: unsplit
+    base = unsplit.run(X, S.clone(), W.clone(), commit=False)
+    monkeypatch.setattr(DenseLaunch, "oproj_split", 2)
+    monkeypatch.setattr(DenseLaunch, "down_groups", 2)
+    L = DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, width=4)
+    assert (L.ks_o, L.kg) == (2, 2) and {"o_sum", "down_join"} <= set(L.schedule.stage_names)
+    assert list(L.sites) == DenseLaunch.site_names(1, down_groups=2, oproj_split=2)
+    assert [s.split(".")[1] for s in L.sites][3:6] == ["o", "xo", "cf1"] and list(L.sites)[-2] == "dense.dp"
+    poison_scratch(L)
+    S2, W2 = S.clone(), W.clone()
+    out = L.run(X, S2, W2)
+    assert rel(out, base) < 1e-5
+    check_step(L, out, S2, W2, tiny_ref, caches, DENSE_LAYER, X, TOL_BF16, label="split-k")
+    L1 = DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, width=1, grid=3)
+    S1, W1 = S[1:2].clone(), W[1:2].clone()
+    assert torch.equal(L1.run(X[1:2].clone(), S1, W1)[0], out[1]) and torch.equal(S1[0], S2[1])
+    S0, W0 = S.clone(), W.clone()
+    for site in ("dense.xo", "dense.dp"):
+        with pytest.raises(HandoffTimeout, match=f"wait site '{site}'"):
+            L.run(X, S, W, inject_fault=site)
+        assert torch.equal(S, S0) and torch.equal(W, W0), site
+        assert torch.equal(L.run(X, S, W, commit=False), out)
+    monkeypatch.setattr(DenseLaunch, "oproj_split", None)
+    xchg = new_xchg(tiny_cfg, 2, 4, "cpu")
+    Ls = [DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, tp_rank=r, tp_size=2, width=4, xchg=xchg) for r in range(2)]
+    assert [s.split(".")[1] for s in Ls[0].sites][-4:] == ["h", "dp", "cf2", "xd"]
+    ins = [(X, *rank_state(tiny_cfg, caches, DENSE_LAYER, r, 2)) for r in range(2)]
+    outs = run_tp(Ls, ins)
+    assert torch.equal(outs[0], outs[1])
+    for r in range(2):
+        check_step(Ls[r], outs[r], ins[r][1], ins[r][2], tiny_ref, caches, DENSE_LAYER, X, TOL_BF16, tp=2, rank=r,
+                   label="tp2-down-split")
+    with pytest.raises(ValueError, match="oproj_split=2 .* needs tp_size 1"):
+        monkeypatch.setattr(DenseLaunch, "oproj_split", 2)
+        DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, tp_rank=0, tp_size=2, width=4, xchg=xchg)
+    with pytest.raises(ValueError, match="down_groups=3 must divide"):
+        monkeypatch.setattr(DenseLaunch, "down_groups", 3)
+        DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, width=4)
+
+
 def test_dense_tp2_loopback(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
     # one "GPU" per rank in loopback: pass 1 gives every rank's o_proj partial (it needs no peer), pass 2
     # with those gives the down partials, pass 3 with both gives the full layer on every rank

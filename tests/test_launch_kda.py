@@ -12,6 +12,7 @@ from glm53_flash.launches.kda import KdaLaunch
 from glm53_flash.launches.layer_host import DEFAULT_MAXNREG, new_xchg, run_tp
 from glm53_flash.reference import ops
 from glm53_flash.reference.model import ReferenceModel
+from sync import HandoffTimeout
 from sync.asm import SPIN_LINE_LOAD
 from test_launch_dense import (TOL_BF16, check_step, fault_every_site, gpu_layer_check, make_step, poison_scratch,
                                rank_state, rel, tiny_ref)  # noqa: F401 (fixture)
@@ -124,6 +125,26 @@ def test_kda_fault_every_site_then_clean(tiny_cfg, tiny_weights, tiny_ref, gen, 
     want = [f"kda.{s}" for s in ("hp1", "a_in", "yin", "o", "cf1", "hp2", "a", "rl", "hg", "sel", "xe", "h", "cf2")]
     assert sites("kda", head_dim=64) == want
     fault_every_site(L, X, S, W, want, clean_after=("kda.hp1", "kda.rl", "kda.xe"))
+
+
+def test_kda_oproj_k_slices(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch):
+    """o_proj in K slices joined by the o_sum tasks' rank sum (layer_host.py _oproj_split; 4 at the real TP1
+    shapes), pinned at 2 on the tiny shapes with the MoE FFN: the reference, the unsplit launch up to rounding,
+    the xo site faulted (state untouched) and a clean launch after."""
+    X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 2, gen)
+    S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
+    base = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=2).run(X, S.clone(), W.clone(), commit=False)
+    monkeypatch.setattr(KdaLaunch, "oproj_split", 2)
+    L = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=2)
+    assert L.ks_o == 2 and list(L.sites) == KdaLaunch.site_names(1, down_groups=L.kg, oproj_split=2)
+    poison_scratch(L)
+    S0, W0 = S.clone(), W.clone()
+    with pytest.raises(HandoffTimeout, match="wait site 'kda.xo'"):
+        L.run(X, S, W, inject_fault="kda.xo")
+    assert torch.equal(S, S0) and torch.equal(W, W0)
+    out = L.run(X, S, W)
+    assert rel(out, base) < 1e-5
+    check_step(L, out, S, W, tiny_ref, caches, KDA_LAYER, X, TOL_BF16, label="oproj-k-slices")
 
 
 def test_kda_tp2_simulated(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):

@@ -47,12 +47,15 @@ def _launch_class(kind: str):
 def sites(kind: str, tp: int = 1, **options) -> list[str]:
     """Wait-site names of launch `kind` in schedule order (site i is fault_site / error-record site i).
 
-    tp and options select the variant; the defaults are the ones the runner builds. Tail: norm_mode.
-    KDA layer kinds: head_dim (default 128, the real model; 64 on the tiny preset) or block_v_split
-    (True when the KDA value blocks are narrower than a head, which adds the `oraw` site). sparse and
-    nextn take no options. A built launch's own list is `launch.sites`."""
+    tp and options select the variant. Tail: norm_mode. KDA layer kinds: head_dim (default 128, the real
+    model; 64 on the tiny preset) or block_v_split (True when the KDA value blocks are narrower than a head,
+    which adds the `oraw` site). Layer kinds (KDA and DSA): oproj_split and down_groups, the K slices of
+    o_proj (> 1 adds `xo` at TP 1) and of the down GEMV / MoE expert groups (> 1 adds `dp`); a launch
+    chooses them from its shapes (1 by default here; the real model's TP1 launches split both). A built
+    launch's own list is `launch.sites`."""
     _check_kind(kind)
     cls = _launch_class(kind)
+    splits = {k: options.pop(k) for k in ("oproj_split", "down_groups") if k in options}
     if kind in _KDA_KINDS:
         from .layer_host import default_block_v
         split = options.pop("block_v_split", None)
@@ -61,11 +64,13 @@ def sites(kind: str, tp: int = 1, **options) -> list[str]:
             raise ValueError(f"sites({kind!r}): unknown options {sorted(options)}")
         if split is None:
             split = default_block_v(head_dim) < head_dim
-        return cls.site_names(tp, block_v_split=split)
+        return cls.site_names(tp, block_v_split=split, **splits)
     if kind in _DSA_KINDS:
         if options:
             raise ValueError(f"sites({kind!r}): unknown options {sorted(options)}")
-        return cls.site_names(tp)
+        return cls.site_names(tp, **splits)
+    if splits:
+        raise ValueError(f"sites({kind!r}): unknown options {sorted(splits)}")
     return cls.site_names(tp, **options)
 
 

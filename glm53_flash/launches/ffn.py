@@ -235,20 +235,54 @@ def l2_prefetch_experts(W, ids_row, n, E, n0, N, K: tl.constexpr, BLOCK_N: tl.co
             prefetch_l2(ptrs, ((q < n) & (rows_n < N))[:, None] & (offs_l[None, :] < K))
 
 
+# Look-ahead prefetch (GLM53_LOOKAHEAD_LINES, lines of 128 B per weight row; 0: off): a task of a latency-bound
+# chain (the KDA step: launches/kda_layer.py) first moves the weights of its CTA's next o_proj task toward L2, so
+# HBM, idle for the ~20 us of the chain at TP 1 (H100 trace, bench/RESULTS.md eleventh session), streams the
+# next stage's bytes before its wait opens. o_proj's own l2_prefetch_rows comes only when its task starts, after
+# the chain.
+LOOKAHEAD_LINES: tl.constexpr = tl.constexpr(int(os.environ.get("GLM53_LOOKAHEAD_LINES", "0")))
+
+
 @triton.jit(noinline=True)
-def gemv_tile(W, S, x, stride_x, n0, k0, k1, rows, width, tp_rank, tp_size, y, stride_y, xchg, tag, site, fault_site,
-              N: tl.constexpr, K: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, XCHG: tl.constexpr):
+def lookahead_oproj(table, i, end, W_o, fam_oproj, H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    KS_O: tl.constexpr, LINES: tl.constexpr):
+    """L2 prefetch of the first LINES lines of every weight row of the o_proj task (family fam_oproj; args t0, n
+    tiles, producer, K slice) among this CTA's next 3 table entries i + 1 .. (< end), from its K slice's start."""
+    EPL: tl.constexpr = 1024 // W_o.dtype.element_ty.primitive_bitwidth
+    KL: tl.constexpr = D // KS_O
+    j = i + 1
+    while j < tl.minimum(i + 4, end):
+        t = table + j * 8
+        if const_word(t) == fam_oproj:
+            n0 = const_word(t + 2) * BLOCK_N
+            n1 = tl.minimum(n0 + const_word(t + 3) * BLOCK_N, H)
+            k0 = const_word(t + 5) * KL
+            if not in_interpreter():
+                r = n0
+                while r < n1:
+                    offs_n = r + tl.arange(0, BLOCK_N)
+                    offs_l = tl.arange(0, LINES) * EPL
+                    ptrs = W_o + offs_n[:, None].to(tl.int64) * D + k0 + offs_l[None, :]
+                    prefetch_l2(ptrs, (offs_n[:, None] < n1) & (offs_l[None, :] < KL))
+                    r += BLOCK_N
+        j += 1
+
+
+@triton.jit(noinline=True)
+def gemv_tile(W, S, x, stride_x, n0, k0, k1, rows, width, src, n_src, n_dest, y, stride_y, xchg, tag, site,
+              fault_site, N: tl.constexpr, K: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, XCHG: tl.constexpr):
     """One GEMV tile y[r, n0:n0 + BLOCK_N] = W[n0:, k0:k1] @ x[r, k0:k1] (x rows of stride_x, y fp32 rows of
-    stride_y; a K slice of a split-K stage writes its own partial plane); XCHG and tp_size > 1: published
-    to every rank's exchange slot instead (xchg_publish). A call: the tile loop around it keeps no hoisted
-    index tensors of the K loop live."""
+    stride_y; a K slice of a split-K stage writes its own partial plane); XCHG and n_src > 1: published as
+    source src to the exchange slots of n_dest ranks instead (xchg_publish: TP ranks, or split-K slices
+    that the rank sum joins). A call: the tile loop around it keeps no hoisted index tensors of the K loop
+    live."""
     acc = gemv_stream(W, S, x, stride_x, rows, n0, k0, k1, N, K, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES)
     if XCHG:
-        if tp_size == 1:
+        if n_src == 1:
             gemv_store(y, stride_y, acc, rows, n0, N, ROWS_PAD, BLOCK_N)
         else:
-            xchg_publish(xchg, acc, n0, rows, width, tp_rank, tp_size, tag, site, fault_site, N, ROWS_PAD, BLOCK_N)
+            xchg_publish(xchg, acc, n0, rows, width, src, n_src, n_dest, tag, site, fault_site, N, ROWS_PAD, BLOCK_N)
     else:
         gemv_store(y, stride_y, acc, rows, n0, N, ROWS_PAD, BLOCK_N)
 
@@ -400,13 +434,16 @@ def _post_mixer(xs, fn2, y1, coef1, xmid, part2, rows, a0, a1, a2, tag, fault_si
 
 
 @triton.jit(noinline=True)
-def oproj_task(W_o, S_o, xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, rdy, pid, tag, hdr,
-               timeout_ns, fault_site, H: tl.constexpr, D: tl.constexpr, ROWS_PAD: tl.constexpr,
+def oproj_task(W_o, S_o, xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, a3, rdy, pid, tag,
+               hdr, timeout_ns, fault_site, H: tl.constexpr, D: tl.constexpr, ROWS_PAD: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-               BLOCK_C: tl.constexpr, ACT_F32: tl.constexpr, NEXTN: tl.constexpr):
-    """o_proj tiles a0 .. a0 + a1 - 1 (K = D) after the o wait, producer a2. TP 1: y1, then the tile
-    range's hc_post (_post_mixer). TP > 1: the partial tiles go to every rank's xo slot. -> (ok, rdy)."""
-    l2_prefetch_rows(W_o, a0 * BLOCK_N, H, D, BLOCK_N)                  # weights before the wait
+               BLOCK_C: tl.constexpr, ACT_F32: tl.constexpr, NEXTN: tl.constexpr, KS_O: tl.constexpr):
+    """o_proj tiles a0 .. a0 + a1 - 1, K slice a3 of KS_O, after the o wait, producer a2. TP 1 and one
+    slice: y1, then the tile range's hc_post (_post_mixer). Otherwise the partial tiles go to the xo
+    slots as source (rank, slice) (xchg_publish), which the o_sum tasks add up in source order. -> (ok, rdy)."""
+    KL: tl.constexpr = D // KS_O
+    k0 = a3 * KL
+    l2_prefetch_rows(W_o + k0, a0 * BLOCK_N, H, D, BLOCK_N)             # weights before the wait
     x = act_at(scratch, meta, M_ON, ACT_F32)                            # meta words too (see waitb)
     y = f32_at(scratch, meta, M_Y1)
     site = const_word(meta + M_SITE_XO)
@@ -415,10 +452,11 @@ def oproj_task(W_o, S_o, xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_si
     ok, rdy = waitb(scratch, meta, B_O, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
-        gemv_tile(W_o, S_o, x, D, (a0 + j) * BLOCK_N, 0, D, rows, width, tp_rank, tp_size, y, H, xo, tag, site,
-                  fault_site, H, D, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, True)
+        gemv_tile(W_o, S_o, x, D, (a0 + j) * BLOCK_N, k0, k0 + KL, rows, width, tp_rank * KS_O + a3,
+                  tp_size * KS_O, tp_size, y, H, xo, tag, site, fault_site, H, D, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K,
+                  NUM_STAGES, True)
         j += 1
-    if (ok != 0) & (tp_size == 1):
+    if (ok != 0) & (tp_size * KS_O == 1):
         if not NEXTN:
             ok, rdy = waitb(scratch, meta, B_CF1, rdy, pid, tag, hdr, timeout_ns)     # hc_post's coefficients
         if ok != 0:
@@ -428,14 +466,14 @@ def oproj_task(W_o, S_o, xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_si
 
 
 @triton.jit
-def _rank_sum_tiles(xchg, y, a0, a1, rows, width, tp_rank, tp_size, tag, hdr, site, pid, timeout_ns,
+def _rank_sum_tiles(xchg, y, a0, a1, rows, width, dest, n_src, tag, hdr, site, pid, timeout_ns,
                     H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tiles a0 .. a0 + a1 - 1 of y [rows, H] = every rank's partial from mailbox xchg, added in rank
-    order (mixer_kda.xchg_sum), stopping at the first stalled tile. -> ok."""
+    """Tiles a0 .. a0 + a1 - 1 of y [rows, H] = the n_src sources' partials in dest's slots of mailbox xchg,
+    added in source order (mixer_kda.xchg_sum), stopping at the first stalled tile. -> ok."""
     ok = 1
     j = 0
     while (j < a1) & (ok != 0):
-        ok = xchg_sum(xchg, y, (a0 + j) * BLOCK_N, rows, width, tp_rank, tp_size, tag, hdr, site, pid, timeout_ns, H,
+        ok = xchg_sum(xchg, y, (a0 + j) * BLOCK_N, rows, width, dest, n_src, tag, hdr, site, pid, timeout_ns, H,
                       ROWS_PAD, BLOCK_N)
         j += 1
     return ok
@@ -444,10 +482,11 @@ def _rank_sum_tiles(xchg, y, a0, a1, rows, width, tp_rank, tp_size, tag, hdr, si
 @triton.jit(noinline=True)
 def post1_task(xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, a3, a4, rdy, pid, tag, hdr,
                timeout_ns, fault_site, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_C: tl.constexpr, NEXTN: tl.constexpr):
-    """o_sum (TP > 1): rows a3 .. a3 + a4 - 1 (those below `rows`) of tiles a0 .. a0 + a1 - 1: the rank-order sum
-    of their xo partials -> y1, then as oproj_task (the cf1 wait first: it comes before this rank's xd, so a stall
-    there starves every rank); producer a2 of hp2, which it signals whatever its rows. -> (ok, rdy)."""
+               BLOCK_C: tl.constexpr, NEXTN: tl.constexpr, KS_O: tl.constexpr):
+    """o_sum (TP > 1, or o_proj in KS_O > 1 K slices): rows a3 .. a3 + a4 - 1 (those below `rows`) of tiles
+    a0 .. a0 + a1 - 1: the source-order sum of their xo partials (rank-major, then K slice) -> y1, then as
+    oproj_task (the cf1 wait first: it comes before this rank's xd, so a stall there starves every rank);
+    producer a2 of hp2, which it signals whatever its rows. -> (ok, rdy)."""
     sb, sw, ss = sig_words(scratch, meta, B_HP2)                        # before the waits, as the rows (waitb)
     y1, coef1, xmid, part2 = _post_rows(scratch, meta)
     RS: tl.constexpr = H if NEXTN else 4 * H                            # row stride of xs and xmid
@@ -463,8 +502,8 @@ def post1_task(xs, fn2, xo, scratch, meta, rows, width, tp_rank, tp_size, a0, a1
     else:
         ok = 1
     if ok != 0:
-        ok = _rank_sum_tiles(xo + a3 * H, y1, a0, a1, nr, width, tp_rank, tp_size, tag, hdr, site, pid, timeout_ns, H,
-                             ROWS_PAD, BLOCK_N)
+        ok = _rank_sum_tiles(xo + a3 * H, y1, a0, a1, nr, width, tp_rank, tp_size * KS_O, tag, hdr, site, pid,
+                             timeout_ns, H, ROWS_PAD, BLOCK_N)
     trace_mark(hdr, pid, 1)                                          # the rank sums are stored
     if ok != 0:
         if nr > 0:

@@ -16,7 +16,8 @@ Stages (host side: layer_host.py _ffn_graph for dense, kda.py _ffn_graph for the
             (act_fold, 1-2 rows: no kind 1 tasks; moe_down waits xe and joins its group's itself)
   down      dense down tiles, or moe_down (routed experts in rank order, then the shared one),
             after h; TP 1: y2 + hc_post -> X_out; TP > 1: xd pairs. With KG > 1 (schedule.py
-            choose_groups) moe_down tasks are (tile, expert group, row group) -> dpart planes  box dp
+            choose_groups) moe_down tasks are (tile, expert group, row group) and dense down tasks
+            (tile, K slice) -> dpart planes                                                   box dp
   down_join (KG > 1) the groups' planes in group order -> y2 + hc_post, or xd; then
   post2     (TP > 1) rank-order sum of xd -> y2, hc_post (NEXTN: X_out = xmid + y2, box z).
 Why split-K with a join stage: a gate|up tile is a 2 x 64-row x 4096 GEMV (1 MB bf16). Whole-K tasks
@@ -180,26 +181,40 @@ def act_task(scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr,
 
 
 @triton.jit(noinline=True)
-def down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, rdy, pid, tag, hdr,
+def down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, a3, rdy, pid, tag, hdr,
               timeout_ns, fault_site, H: tl.constexpr, I: tl.constexpr, ROWS_PAD: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-              ACT_F32: tl.constexpr):
-    """Dense down tiles a0 .. a0 + a1 - 1 after the h wait. TP 1: y2, then hc_post -> X_out. TP > 1: xd.
-    -> (ok, rdy)."""
-    l2_prefetch_rows(W_d, a0 * BLOCK_N, H, I, BLOCK_N)                  # weights before the wait
+              ACT_F32: tl.constexpr, KG: tl.constexpr):
+    """Dense down tiles a0 .. a0 + a1 - 1 after the h wait. KG == 1: TP 1 y2, then hc_post -> X_out; TP > 1
+    xd. KG > 1: K slice a3 of KG -> dpart plane a3, producer a2 of dp; down_join adds the planes in order
+    (the moe_down groups' join: 64 tiles of full K kept 64 of 264 CTAs busy, ~44 us at TP 1). -> (ok, rdy)."""
+    KL: tl.constexpr = I // KG
+    k0 = a3 * KL
+    l2_prefetch_rows(W_d + k0, a0 * BLOCK_N, H, I, BLOCK_N)             # weights before the wait
     x = act_at(scratch, meta, M_H, ACT_F32)                             # meta words too (see waitb)
-    y = f32_at(scratch, meta, M_Y2)
+    if KG == 1:
+        y = f32_at(scratch, meta, M_Y2)
+    else:
+        y = f32_at(scratch, meta, M_DPART) + a3 * width * H
     site = const_word(meta + M_SITE_XD)
-    # h and hc_post's coefficients in one spin (ffn.waitb2), before this rank's xd (a stall of either still
-    # starves every rank)
-    ok, rdy = waitb2(scratch, meta, B_CF2, B_H, rdy, pid, tag, hdr, timeout_ns)
+    sb, sw, ss = sig_words(scratch, meta, B_DP)
+    if KG == 1:
+        # h and hc_post's coefficients in one spin (ffn.waitb2), before this rank's xd (a stall of either still
+        # starves every rank)
+        ok, rdy = waitb2(scratch, meta, B_CF2, B_H, rdy, pid, tag, hdr, timeout_ns)
+    else:
+        ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
+    n_src = tp_size if KG == 1 else 1
     j = 0
     while (j < a1) & (ok != 0):
-        gemv_tile(W_d, S_d, x, I, (a0 + j) * BLOCK_N, 0, I, rows, width, tp_rank, tp_size, y, H, xd, tag, site,
-                  fault_site, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, True)
+        gemv_tile(W_d, S_d, x, I, (a0 + j) * BLOCK_N, k0, k0 + KL, rows, width, tp_rank, n_src, tp_size, y, H, xd,
+                  tag, site, fault_site, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, True)
         j += 1
-    if (ok != 0) & (tp_size == 1):
-        _post_ffn(X_out, scratch, meta, rows, a0, a1, 0, tag, fault_site, H, BLOCK_N, False, 0)
+    if KG == 1:
+        if (ok != 0) & (tp_size == 1):
+            _post_ffn(X_out, scratch, meta, rows, a0, a1, 0, tag, fault_site, H, BLOCK_N, False, 0)
+    elif ok != 0:
+        signal_at(sb, sw, ss, a2, tag, fault_site)
     return ok, rdy
 
 
@@ -427,8 +442,8 @@ def _moe_down_row(W_d, S_d, w_de, s_de, xd, scratch, meta, rr, n0, g, width, tp_
     elif tp_size == 1:
         gemv_store(f32_at(scratch, meta, M_Y2) + rr * H, 0, acc, 1, n0, H, ROWS_PAD, BLOCK_N)
     else:
-        xchg_publish(xd + rr * H, acc, n0, 1, width, tp_rank, tp_size, tag, const_word(meta + M_SITE_XD), fault_site, H,
-                     ROWS_PAD, BLOCK_N)
+        xchg_publish(xd + rr * H, acc, n0, 1, width, tp_rank, tp_size, tp_size, tag, const_word(meta + M_SITE_XD),
+                     fault_site, H, ROWS_PAD, BLOCK_N)
     trace_mark(hdr, pid, 3)                                          # stored / published
 
 
@@ -517,7 +532,8 @@ def down_join_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, 
         if tp_size == 1:
             gemv_store(y2, H, acc, rows, n0, H, ROWS_PAD, BLOCK_N)
         else:
-            xchg_publish(xd, acc, n0, rows, width, tp_rank, tp_size, tag, site, fault_site, H, ROWS_PAD, BLOCK_N)
+            xchg_publish(xd, acc, n0, rows, width, tp_rank, tp_size, tp_size, tag, site, fault_site, H, ROWS_PAD,
+                         BLOCK_N)
         j += 1
     if (ok != 0) & (tp_size == 1):
         _post_ffn(X_out, scratch, meta, rows, a0, a1, a2, tag, fault_site, H, BLOCK_N, NEXTN, B_Z)
@@ -554,9 +570,10 @@ def ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_
         if MOE:
             ok, rdy = route_task(bias_r, scratch, meta, rows, width, a0, a1, rdy, pid, tag, hdr, timeout_ns,
                                   fault_site, scaling, E, KE, E_PAD, K_PAD, RENORM)
-    elif fam == 44:                                    # down (dense): tiles a0 .. a0 + a1 - 1
-        ok, rdy = down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, rdy, pid, tag,
-                            hdr, timeout_ns, fault_site, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, ACT_F32)
+    elif fam == 44:                                    # down (dense): tiles a0 .. a0 + a1 - 1, K slice a3 of KG
+        ok, rdy = down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, a2, a3, rdy,
+                            pid, tag, hdr, timeout_ns, fault_site, H, I, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES,
+                            ACT_F32, KG)
     elif fam == 45:                                    # moe_down: tiles a0 .. a0 + a1 - 1, rows of a4, row by row
         if MOE:
             ok, rdy = moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0,

@@ -37,16 +37,16 @@ class KdaLaunch(KdaLayerLaunch):
     .run(X, kda_state, conv_window, *, inject_fault=None) -> X' (see KdaLayerLaunch)."""
 
     kind = "kda"
-    down_groups: int | None = None          # moe_down expert groups; None: schedule.py choose_groups (tests pin it)
     # moe_down joins its own experts' activations (no act stage, one hop fewer) up to this width; wider, a row's
     # join is repeated by every down tile's task, so the act stage does it once. Same bits either way.
     # GLM53_ACT_FOLD_WIDTH sets it for A/B timings (0: never).
     act_fold_width: int = int(os.environ.get("GLM53_ACT_FOLD_WIDTH", "2"))
 
     @classmethod
-    def site_names(cls, tp_size: int = 1, block_v_split: bool = False, down_groups: int = 1) -> list[str]:
+    def site_names(cls, tp_size: int = 1, block_v_split: bool = False, down_groups: int = 1,
+                   oproj_split: int = 1) -> list[str]:
         s = ["hp1", "a_in", "yin"] + (["oraw"] if block_v_split else []) + ["o"]
-        s += (["xo"] if tp_size > 1 else []) + ["cf1", "hp2", "a", "rl", "hg", "sel", "xe", "h"]
+        s += (["xo"] if tp_size > 1 or oproj_split > 1 else []) + ["cf1", "hp2", "a", "rl", "hg", "sel", "xe", "h"]
         s += (["dp"] if down_groups > 1 else []) + ["cf2"] + (["xd"] if tp_size > 1 else [])
         return [f"kda.{n}" for n in s]
 

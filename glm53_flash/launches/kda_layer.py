@@ -16,10 +16,11 @@ tagged pairs across TP ranks; every wait is a named site `<kind>.<region>`):
               state / window buffers; f and the output gate formed in-task from f_a / g_a. One block
               per head (BV = DV): the gated norm too -> o (bf16). Otherwise raw blocks -> oraw.
   3b kda_norm [waits oraw] (BV < DV) joins the blocks' sums of squares, gated norm -> o.
-  4 o_proj    [waits o] GEMV tiles over this rank's heads. TP 1: the tile's owner runs hc_post on its
-              columns (X -> xmid) fused with the FFN hc_pre partials of the same columns (hp2).
-              TP > 1: the partial tile goes to every rank's exchange slot (tagged pairs, xo) and
-  4b o_sum    [waits xo] the tile's owner sums the ranks' partials in rank order, then as above.
+  4 o_proj    [waits o] GEMV tiles over this rank's heads, in KS_O K slices (layer_host.py _oproj_split:
+              4 at TP 1, 1 at TP > 1). TP 1, one slice: the tile's owner runs hc_post on its columns
+              (X -> xmid) fused with the FFN hc_pre partials of the same columns (hp2). Otherwise the
+              partial tile goes to the exchange slots as source (rank, slice) (tagged pairs, xo) and
+  4b o_sum    [waits xo] the tile's owner sums the sources' partials in order, then as above.
   5 gate_ffn  [waits hp2] FFN gate row a (bf16), and coef2 -> box cf2, as gate_in; the FFN's hc_post
               tasks (down at TP 1, moe_down / down_join) wait on cf2 before they publish xd or X_out.
   6 gate_up   [waits a] gate|up tile pairs, K slices -> raw partial planes (hg); kda: the MoE stages
@@ -27,6 +28,8 @@ tagged pairs across TP ranks; every wait is a named site `<kind>.<region>`):
   6b act      [waits hg] the planes joined, clamped SwiGLU -> h (bf16).
   7 down      [waits h] GEMV tiles; TP 1: hc_post of the tile's columns -> X_out. TP > 1: xd, and
   7b down_sum [waits xd] rank-order sum, hc_post -> X_out.
+              Dense down in KG K slices (KG > 1, schedule.py choose_groups: 3 at the real shapes): the
+              slices write dpart planes (dp), which down_join adds in order before hc_post / xd.
 Data read after a wait but written earlier than the region waited on (x0, xmid) is
 ordered by the chain of release/acquire hand-offs in between (happens-before is transitive).
 Pad rows (rows <= r < width) compute nothing and write nothing, but their tasks still signal.
@@ -56,9 +59,10 @@ import triton.language as tl
 
 from sync.device import const_word, launch_begin, launch_end, trace_clock, trace_cycles, trace_store
 
-from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO, M_XMID, act_at,
-                  coef_task, f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows, meta_layout, oproj_task,
-                  peer_task, post1_task, runtime_i32, sig_words, signal_at, task_entry, waitb, warm_before)
+from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, LOOKAHEAD_LINES, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO,
+                  M_XMID, act_at, coef_task, f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows,
+                  lookahead_oproj, meta_layout, oproj_task, peer_task, post1_task, runtime_i32, sig_words, signal_at,
+                  task_entry, waitb, warm_before)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
 from .mixer_kda import kda_block, kda_norm_task, kda_prefetch
 
@@ -97,7 +101,7 @@ def _inproj_task(W_in, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag
     ok, rdy = waitb(scratch, meta, B_AIN, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
-        gemv_tile(W_in, W_in, x, H, (a0 + j) * BLOCK_N, k0, k0 + KL, rows, 1, 0, 1,
+        gemv_tile(W_in, W_in, x, H, (a0 + j) * BLOCK_N, k0, k0 + KL, rows, 1, 0, 1, 1,
                   y, N_IN, W_in, 0, 0, fault_site, N_IN, H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, False)
         j += 1
     if ok != 0:
@@ -191,7 +195,8 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                      ROWS_PAD: tl.constexpr, EMBED: tl.constexpr, ACT_F32: tl.constexpr, MOE: tl.constexpr,
                      E: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
                      RENORM: tl.constexpr, BLOCK_E: tl.constexpr, RCK: tl.constexpr, TRACE: tl.constexpr,
-                     KS_IN: tl.constexpr, KS_GU: tl.constexpr, KS_E: tl.constexpr, KG: tl.constexpr):
+                     KS_IN: tl.constexpr, KS_GU: tl.constexpr, KS_E: tl.constexpr, KG: tl.constexpr,
+                     KS_O: tl.constexpr):
     pid = tl.program_id(0)
     # Region pointers are formed inside each family from the meta words (cheap cached loads), never
     # hoisted here: ~25 pointers live across the task loop cost ~50 registers in every family.
@@ -223,20 +228,24 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                                        timeout_ns, fault_site, H, N_IN, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES,
                                        ACT_F32, KS_IN)
             elif fam == 3:                                 # kda: row a0, head a1, block a2, producer a3
+                if LOOKAHEAD_LINES > 0:                    # the next o_proj task's weights toward L2 (ffn.py)
+                    lookahead_oproj(table, i, end, W_o, runtime_i32(5), H, D, BLOCK_N, KS_O, LOOKAHEAD_LINES)
                 ok, rdy = _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w, scratch,
                                     meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, eps,
                                     lower_bound, D, NH, R, N_IN, DK, DV, BV, KC, CK, ACT_F32, KS_IN)
             elif fam == 4:                                 # kda_norm: row a0, head a1, block a2, producer a3
+                if LOOKAHEAD_LINES > 0:
+                    lookahead_oproj(table, i, end, W_o, runtime_i32(5), H, D, BLOCK_N, KS_O, LOOKAHEAD_LINES)
                 ok, rdy = _kda_norm_task(g_b, onorm_w, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr,
                                          timeout_ns, fault_site, eps, D, NH, R, N_IN, DV, BV, CK, ACT_F32, KS_IN)
-            elif fam == 5:                                 # oproj: tiles a0 .. a0 + a1 - 1, producer a2
+            elif fam == 5:                                 # oproj: tiles a0 .. a0 + a1 - 1, producer a2, K slice a3
                 ok, rdy = oproj_task(W_o, W_o, _streams(X, scratch, meta, EMBED), fn2, xo, scratch, meta, rows, width,
-                                     tp_rank, tp_size, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, H, D,
-                                     ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, BLOCK_C, ACT_F32, False)
+                                     tp_rank, tp_size, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, H, D,
+                                     ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, BLOCK_C, ACT_F32, False, KS_O)
             elif fam == 6:                                 # post1: rank sum of tiles a0 .., producer a2
                 ok, rdy = post1_task(_streams(X, scratch, meta, EMBED), fn2, xo, scratch, meta, rows, width, tp_rank,
                                      tp_size, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns, fault_site, H,
-                                     ROWS_PAD, BLOCK_N, BLOCK_C, False)
+                                     ROWS_PAD, BLOCK_N, BLOCK_C, False, KS_O)
             elif fam == 7:                                 # gate2: columns [a0, a0 + GATE_BH), producer a1
                 ok, rdy = gate_task(f32_at(scratch, meta, M_XMID), base2, scale2, ln2, scratch, meta, rows, a0, a1,
                                     a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, runtime_i32(1), H,

@@ -26,12 +26,13 @@ from layout import Planner
 
 from .. import schedule as sched_mod
 from .. import tp as tp_mod
-from ..schedule import NOMINAL_GRID, TASK_COST_FLOOR, TaskGraph, choose_k_split
+from ..schedule import NOMINAL_GRID, TASK_COST_FLOOR, TaskGraph, choose_groups, choose_k_split
 from ..weights import PREFIX, weight_specs
 from .base import Launch, check_rank_width, interpreting, run_interleaved
 from .ffn import BOX_BASE_H as BOX_BASE
 from .ffn_tasks import ROUTER_BLOCK_E
 from .kda_layer import BOXES, FAMILIES, META, META_WORDS, ROWS_REGIONS, kda_layer_kernel
+from .mixer_kda import TP_MAX
 
 ROWS_PAD = 8
 SLOT = 40
@@ -110,6 +111,10 @@ class KdaLayerLaunch(Launch):
     # 1 row, bf16 on the H200: 518 us at 1 CTA per SM, 456 us at 2 (block_n 32: 660, 8 warps: 522)
     default_ctas_per_sm = 2
     NEXTN = False                 # the NextN block (launches/nextn.py) has no mHC: no coef tasks or waits
+    # K splits the launch would otherwise choose from the shapes (schedule.py choose_groups); tests pin them, and
+    # GLM53_OPROJ_SPLIT / GLM53_DOWN_GROUPS set them for A/B timings (1: unsplit, the builds before 2026-12-06)
+    oproj_split: int | None = int(os.environ.get("GLM53_OPROJ_SPLIT", "0")) or None     # o_proj K slices
+    down_groups: int | None = int(os.environ.get("GLM53_DOWN_GROUPS", "0")) or None     # down K slices / groups
     META_LAYOUT = (BOXES, ROWS_REGIONS, META, META_WORDS)        # the kernel module's meta words
 
     def __init__(self, cfg, source, layer: int, *, tp_rank: int = 0, tp_size: int = 1, width: int = 1, device=None,
@@ -156,9 +161,28 @@ class KdaLayerLaunch(Launch):
         self._setup()
         self.meta = self._meta().to(dev)
 
+    def _oproj_split(self) -> int:
+        """K slices of o_proj (W_o [H, K], loaded): at TP 1 the tiles of full K kept 64 of 264 CTAs busy (~33 us
+        of the TP1 launch for 67 MB), so the K slices go to the xo mailbox as sources and the o_sum tasks add them
+        in order (ffn.py oproj_task / post1_task), a join hop instead of the tile owner's hc_post. TP > 1: 1 (the
+        slices would be tp x KS sources (<= TP_MAX) in the rank sum, in larger mailboxes: not built yet)."""
+        steps = self.W_o.shape[1] // 128
+        if self.oproj_split and self.oproj_split > 1:
+            ks = self.oproj_split
+            if steps % ks or ks > TP_MAX.value or self.tp_size > 1:
+                raise ValueError(f"{self.kind}: oproj_split={ks} must divide o_proj's {steps} K steps of 128, be at "
+                                 f"most {TP_MAX.value}, and needs tp_size 1")
+            return ks
+        if self.tp_size > 1 or self.oproj_split == 1:
+            return 1
+        return choose_groups(-(-self.H // self.block_n), steps, self.block_n * 128 * self.W_o.element_size(),
+                             max_groups=TP_MAX.value)
+
     def _setup_xchg(self, xchg) -> None:
-        """The cross-rank mailboxes (xo, xd) and the loopback peers' partials (shared with sparse.py)."""
+        """The cross-rank mailboxes (xo, xd) and the loopback peers' partials (shared with sparse.py); at TP 1 with
+        o_proj in K slices, xo is this rank's own mailbox [1, KS_O, width, H] for them."""
         tp, W, H = self.tp_size, self.width, self.H
+        self.ks_o = self._oproj_split()
         if tp > 1 and xchg is None:
             self.loopback = True
             xchg = new_xchg(self.cfg, tp, W, self.device)
@@ -169,6 +193,8 @@ class KdaLayerLaunch(Launch):
             if len(xchg) != 2 or any(x.dtype != torch.int64 or x.numel() < n for x in xchg):
                 raise ValueError(f"{self.kind}: xchg must be two int64 mailboxes of >= {n} words (see new_xchg)")
         self.xo, self.xd = xchg if xchg is not None else (torch.zeros(1, dtype=torch.int64, device=self.device),) * 2
+        if tp == 1 and self.ks_o > 1:
+            self.xo = torch.zeros(self.ks_o * W * H, dtype=torch.int64, device=self.device)
         self.peer_o = torch.zeros(max(tp, 1), W, H, device=self.device)
         self.peer_d = torch.zeros(max(tp, 1), W, H, device=self.device)
 
@@ -271,18 +297,26 @@ class KdaLayerLaunch(Launch):
             raise ValueError(f"{self.kind}: FP8 needs block_n dividing 128, got {self.block_n}")
 
     def _no_moe(self) -> None:
-        """Dense FFN: the MoE arguments are placeholders the kernel never reads (MOE=False)."""
-        self.moe, self.E, self.KE, self.I_E, self.nrpart, self.ks_e, self.kg = False, 1, 1, 1, 1, 1, 1
+        """Dense FFN: the MoE arguments are placeholders the kernel never reads (MOE=False); KG: the down GEMV's K
+        slices (ffn_tasks.py down_task), joined in order by down_join as the MoE's expert groups."""
+        self.moe, self.E, self.KE, self.I_E, self.nrpart, self.ks_e = False, 1, 1, 1, 1, 1
+        steps = self.W_d.shape[1] // 128
+        self.kg = self.down_groups or choose_groups(-(-self.H // self.block_n), steps,
+                                                    self.block_n * 128 * self.W_d.element_size())
+        if steps % self.kg:
+            raise ValueError(f"{self.kind}: down_groups={self.kg} must divide the down GEMV's {steps} K steps of 128")
         self.act_fold = False
         self.W_r = self.bias_r = self.fn1
         self.w_gu = self.s_gu = self.w_de = self.s_de = self.W_g
 
     # ------------------------------------------------------------------ plan
     @classmethod
-    def site_names(cls, tp_size: int = 1, block_v_split: bool = False) -> list[str]:
+    def site_names(cls, tp_size: int = 1, block_v_split: bool = False, down_groups: int = 1,
+                   oproj_split: int = 1) -> list[str]:
         k = cls.kind
         s = ["hp1", "a_in", "yin"] + (["oraw"] if block_v_split else []) + ["o"]
-        s += (["xo"] if tp_size > 1 else []) + ["cf1", "hp2", "a", "hg", "h", "cf2"] + (["xd"] if tp_size > 1 else [])
+        s += (["xo"] if tp_size > 1 or oproj_split > 1 else []) + ["cf1", "hp2", "a", "hg", "h"]
+        s += (["dp"] if down_groups > 1 else []) + ["cf2"] + (["xd"] if tp_size > 1 else [])
         return [f"{k}.{n}" for n in s]
 
     def build_graph(self) -> TaskGraph:
@@ -370,10 +404,11 @@ class KdaLayerLaunch(Launch):
         """o_proj tiles (row_bytes: bytes of one weight row); TP > 1: the exchange and the rank sums."""
         H, BN, tp = self.H, self.block_n, self.tp_size
         g.stage("o_proj")
-        if tp == 1:
+        if tp == 1 and self.ks_o == 1:
             self._gemv_stage(g, "oproj", H, row_bytes, ("o",) + self._hc_post_reads("cf1"), ("hp2",), "hp2")
         else:
-            ranges = self._gemv_stage(g, "oproj", H, row_bytes, ("o",), ("xo",), None, ret_ranges=True)
+            ranges = self._gemv_stage(g, "oproj", H, row_bytes, ("o",), ("xo",), None, ret_ranges=True,
+                                      k_split=self.ks_o)
             self._peers(g, "peer_o", ranges, "xo")
             g.stage("o_sum")
             self.n_box["hp2"] = self._row_group_tasks(g, "post1", ranges, lambda n, nr: tp * nr * n * BN * 8,
@@ -390,7 +425,18 @@ class KdaLayerLaunch(Launch):
         g.stage("act")
         self.n_box["h"] = self._act_tasks(g, 0)
         g.stage("down")
-        if tp == 1:
+        if self.kg > 1:             # K slices -> dpart planes, joined in order (and hc_post / xd) by down_join
+            ranges = self._gemv_stage(g, "down", H, self.I * wb, ("h",), ("dp",), "dp", ret_ranges=True,
+                                      k_split=self.kg)
+            g.stage("down_join")
+            for s, (t0, n) in enumerate(ranges):
+                g.add("down_join", (t0, n, s), reads=("dp", "cf2"), writes=("xd",) if tp > 1 else (),
+                      nbytes=self.kg * self.width * n * BN * 4)
+            if tp > 1:
+                self._peers(g, "peer_d", ranges, "xd")
+                g.stage("down_sum")
+                self._row_group_tasks(g, "post2", ranges, lambda n, nr: tp * nr * n * BN * 8, reads=("xd",))
+        elif tp == 1:
             self._gemv_stage(g, "down", H, self.I * wb, ("h", "cf2"), (), None)
         else:
             ranges = self._gemv_stage(g, "down", H, self.I * wb, ("h", "cf2"), ("xd",), None, ret_ranges=True)
@@ -549,7 +595,7 @@ class KdaLayerLaunch(Launch):
                      ACT_F32=self.act_dtype == "float32", MOE=self.moe, E=self.E, KE=self.KE, I_E=self.I_E,
                      E_PAD=triton.next_power_of_2(self.E), K_PAD=triton.next_power_of_2(self.KE),
                      RENORM=bool(cfg.norm_topk_prob), BLOCK_E=ROUTER_BLOCK_E, RCK=32, KS_IN=self.ks_in, KS_GU=self.ks_gu,
-                     KS_E=self.ks_e, KG=self.kg)
+                     KS_E=self.ks_e, KG=self.kg, KS_O=self.ks_o)
         if self.maxnreg:
             const["maxnreg"] = self.maxnreg       # a compile option (ptxas), not a kernel argument
         return args, const

@@ -93,6 +93,6 @@ def gemv_tiles(W, S, x, stride_x, y, stride_y, rows, t0, nt, k0, k1, N: tl.const
     One call (ffn.py gemv_tile) per tile."""
     j = 0
     while j < nt:
-        gemv_tile(W, S, x, stride_x, (t0 + j) * BLOCK_N, k0, k1, rows, 1, 0, 1, y, stride_y, y, 0, 0, 0, N, K, ROWS_PAD,
-                  BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, False)
+        gemv_tile(W, S, x, stride_x, (t0 + j) * BLOCK_N, k0, k1, rows, 1, 0, 1, 1, y, stride_y, y, 0, 0, 0, N, K,
+                  ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, False)
         j += 1

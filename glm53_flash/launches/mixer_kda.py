@@ -127,16 +127,18 @@ def kda_norm_task(r, h, v0, yin, g_b, onorm_w, on, o_raw, ssq, eps, PS, D: tl.co
 
 
 @triton.jit
-def xchg_publish(xchg, acc, n0, rows, width, tp_rank, tp_size, tag, site, fault_site, N: tl.constexpr,
+def xchg_publish(xchg, acc, n0, rows, width, src, n_src, n_dest, tag, site, fault_site, N: tl.constexpr,
                  ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This rank's partial tile acc [BLOCK_N, ROWS_PAD] (acc[j, r] = y[r, n0 + j]) into slot
-    (dest d, src tp_rank) of every rank d: xchg [tp (dest), tp (src), width, N] tagged pairs."""
+    """Partial tile acc [BLOCK_N, ROWS_PAD] (acc[j, r] = y[r, n0 + j]) of source src into slot (dest d, src)
+    of every dest d < n_dest: xchg [n_dest, n_src, width, N] tagged pairs. A source is a TP rank, or a
+    (rank, K slice) of a split-K GEMV whose slices join in the same rank sum (src = rank * KS + slice,
+    n_src = tp * KS; at TP 1 the one dest is this rank)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, ROWS_PAD)
     m = (offs_n[:, None] < N) & (offs_r[None, :] < rows)
     d = 0
-    while d < tp_size:
-        base = xchg + (d * tp_size + tp_rank).to(tl.int64) * width * N
+    while d < n_dest:
+        base = xchg + (d * n_src + src).to(tl.int64) * width * N
         publish_pairs(base + offs_r[None, :] * N + offs_n[:, None], acc, tag, m, site, fault_site)
         d += 1
 
@@ -145,22 +147,23 @@ TP_MAX: tl.constexpr = tl.constexpr(8)     # the largest TP degree (config.check
 
 
 @triton.jit
-def xchg_sum(xchg, y, n0, rows, width, tp_rank, tp_size, tag, hdr, site, cta, budget_ns, N: tl.constexpr,
+def xchg_sum(xchg, y, n0, rows, width, dest, n_src, tag, hdr, site, cta, budget_ns, N: tl.constexpr,
              ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Await every rank's partial of columns [n0, n0 + BLOCK_N) and store their sum to y [rows, N] fp32.
+    """Await every source's partial of columns [n0, n0 + BLOCK_N) in dest's slots (xchg_publish) and store
+    their sum to y [rows, N] fp32; n_src <= TP_MAX.
 
-    One poll covers all ranks' pairs of a row ([TP_MAX, BLOCK_N], ranks >= tp_size masked), so a row
+    One poll covers all sources' pairs of a row ([TP_MAX, BLOCK_N], sources >= n_src masked), so a row
     costs one round trip, not one per rank (8 dependent polls with a fence each: ~6 us traced at TP8).
-    The ranks are added by one reduction over the rank axis: a fixed order, the same code and layout on
-    every rank, so every rank gets the same bits. -> ok."""
+    The sources are added by one reduction over the source axis: a fixed order, the same code and layout
+    on every rank, so every rank gets the same bits. -> ok."""
     k = tl.arange(0, TP_MAX * BLOCK_N)
     src = k // BLOCK_N
     n = n0 + k % BLOCK_N
     ok = 1
     r = 0
     while (r < rows) & (ok != 0):
-        m = (src < tp_size) & (n < N)
-        base = xchg + (tp_rank * tp_size + src).to(tl.int64) * width * N + r * N
+        m = (src < n_src) & (n < N)
+        base = xchg + (dest * n_src + src).to(tl.int64) * width * N + r * N
         vals, ok = await_pairs(base + n, m, tag, hdr, site, cta, budget_ns)
         v = tl.reshape(tl.where(m, vals.to(tl.float32, bitcast=True), 0.0), [TP_MAX, BLOCK_N])
         if ok != 0:

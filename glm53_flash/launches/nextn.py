@@ -80,9 +80,9 @@ class NextnLaunch(SparseLaunch):
 
     # ------------------------------------------------------------------ plan
     @classmethod
-    def site_names(cls, tp_size: int = 1, down_groups: int = 1, **_) -> list[str]:
+    def site_names(cls, tp_size: int = 1, down_groups: int = 1, oproj_split: int = 1, **_) -> list[str]:
         s = ["ein", "x", "a_in", "ya", "qr", "q", "hs0", "hs1", "hs2", "hs3", "idx", "ql", "att", "o"]
-        s += (["xo"] if tp_size > 1 else []) + ["hp2", "a", "rl", "hg", "sel", "xe", "h"]
+        s += (["xo"] if tp_size > 1 or oproj_split > 1 else []) + ["hp2", "a", "rl", "hg", "sel", "xe", "h"]
         s += (["dp"] if down_groups > 1 else []) + (["xd"] if tp_size > 1 else [])
         return [f"{cls.kind}.{n}" for n in s + ["z"]]
 

@@ -194,9 +194,9 @@ class SparseLaunch(KdaLaunch):
 
     # ------------------------------------------------------------------ plan
     @classmethod
-    def site_names(cls, tp_size: int = 1, down_groups: int = 1, **_) -> list[str]:
+    def site_names(cls, tp_size: int = 1, down_groups: int = 1, oproj_split: int = 1, **_) -> list[str]:
         s = ["hp1", "a_in", "ya", "qr", "q", "hs0", "hs1", "hs2", "hs3", "idx", "ql", "att", "o"]
-        s += (["xo"] if tp_size > 1 else []) + ["cf1", "hp2", "a", "rl", "hg", "sel", "xe", "h"]
+        s += (["xo"] if tp_size > 1 or oproj_split > 1 else []) + ["cf1", "hp2", "a", "rl", "hg", "sel", "xe", "h"]
         s += (["dp"] if down_groups > 1 else []) + ["cf2"] + (["xd"] if tp_size > 1 else [])
         return [f"{cls.kind}.{n}" for n in s]
 
@@ -358,7 +358,7 @@ class SparseLaunch(KdaLaunch):
                      SEL_BLOCK=min(64 if interpreting() else 1024, triton.next_power_of_2(self.sel_chunk)), NORM_BLOCK=triton.next_power_of_2(self.H),
                      E=self.E, KE=self.KE, I_E=self.I_E, E_PAD=triton.next_power_of_2(self.E),
                      K_PAD=triton.next_power_of_2(self.KE), RENORM=bool(cfg.norm_topk_prob), BLOCK_E=ROUTER_BLOCK_E, RCK=32,
-                     NEXTN=self.NEXTN, TRACE=self.trace_args()[1], KS_GU=self.ks_gu, KS_E=self.ks_e, KG=self.kg,
+                     NEXTN=self.NEXTN, TRACE=self.trace_args()[1], KS_GU=self.ks_gu, KS_E=self.ks_e, KG=self.kg, KS_O=self.ks_o,
                      **dict(zip(("NS_PAD", "SB"), join_chunk(sp.n_splits, self.C))), KS_A=self.ks_a,
                      Q_PAD=triton.next_power_of_2(self.QL), C_PAD=triton.next_power_of_2(self.C),
                      NI_PAD=triton.next_power_of_2(self.NI))

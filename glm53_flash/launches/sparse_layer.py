@@ -391,7 +391,8 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
                         RCK: tl.constexpr, NEXTN: tl.constexpr, TRACE: tl.constexpr, KS_GU: tl.constexpr,
                         KS_E: tl.constexpr, KG: tl.constexpr, NS_PAD: tl.constexpr, SB: tl.constexpr,
-                        KS_A: tl.constexpr, Q_PAD: tl.constexpr, C_PAD: tl.constexpr, NI_PAD: tl.constexpr):
+                        KS_A: tl.constexpr, Q_PAD: tl.constexpr, C_PAD: tl.constexpr, NI_PAD: tl.constexpr,
+                        KS_O: tl.constexpr):
     pid = tl.program_id(0)
     DO: tl.constexpr = NH * DV
     PASSES: tl.constexpr = (32 + BITS - 1) // BITS
@@ -471,12 +472,12 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                                      SB)
             elif fam == 11:                                # oproj: tiles a0 .. a0 + a1 - 1, slot a2
                 ok, rdy = oproj_task(W_o, S_o, _mixer_in(X, scratch, meta, NEXTN), fn2, xo, scratch, meta, rows, width,
-                                     tp_rank, tp_size, a0, a1, a2, rdy, pid, tag, hdr, timeout_ns, fault_site, H, DO,
-                                     ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, BLOCK_C, ACT_F32, NEXTN)
+                                     tp_rank, tp_size, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, H,
+                                     DO, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES, BLOCK_C, ACT_F32, NEXTN, KS_O)
             elif fam == 12:                                # post1: rank sum of tiles a0 .., producer a2
                 ok, rdy = post1_task(_mixer_in(X, scratch, meta, NEXTN), fn2, xo, scratch, meta, rows, width, tp_rank,
                                      tp_size, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns, fault_site, H,
-                                     ROWS_PAD, BLOCK_N, BLOCK_C, NEXTN)
+                                     ROWS_PAD, BLOCK_N, BLOCK_C, NEXTN, KS_O)
             elif fam == 13:                                # gate2: columns [a0, a0 + GATE_BH), producer a1
                 ok, rdy = gate_task(f32_at(scratch, meta, M_XMID), base2, scale2, ln2, scratch, meta, rows, a0, a1,
                                     a2, rdy, pid, tag, hdr, timeout_ns, fault_site, eps, hc_eps, runtime_i32(1), H,
