@@ -32,7 +32,7 @@ def k_splits(c: dict, fp8: bool, tp: int, k_o: int, wb_o: int) -> dict:
     return dict(KS_IN=ks(c["N_IN"], 2) if "N_IN" in c else 1, KS_GU=ks(c["I"], 2 * wb),
                 KS_E=ks(c["KE"] * c["I_E"], 2 * wb) if c["MOE"] else 1,
                 KG=choose_groups(tiles, c["KE"] + 1, c["BLOCK_N"] * c["I_E"] * wb) if c["MOE"] else
-                choose_groups(tiles, c["I"] // 128, step * wb),
+                1 if tp > 1 else choose_groups(tiles, c["I"] // 128, step * wb),
                 KS_O=1 if tp > 1 else choose_groups(tiles, k_o // 128, step * wb_o, max_groups=TP_MAX.value))
 
 

@@ -74,7 +74,7 @@ def choose_groups(n_tiles: int, n_parts: int, part_bytes: int, max_groups: int |
     down tile's K + 1 expert GEMVs, or a GEMV's K steps), joined by a later stage in group order: stage_time_us
     plus JOIN_US for a split, minimised on the nominal grid; shapes only, as choose_k_split. KDA TP1 moe_down
     (64 tiles x 9 x 256 KB): 3; TP8 (9 x 32 KB): 3. Dense down (64 tiles x 96 / 12 steps of 16 KB): 3 at TP 1
-    and TP 8; o_proj at TP 1 (64 x 64 steps): 4."""
+    and TP 8 (used at TP 1 only); o_proj at TP 1 (64 x 64 steps): 4."""
     best, best_t = 1, stage_time_us(n_tiles, n_parts * part_bytes)
     for d in range(2, min(n_parts, max_groups or n_parts) + 1):
         if n_parts % d == 0:

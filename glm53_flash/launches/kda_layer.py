@@ -28,7 +28,7 @@ tagged pairs across TP ranks; every wait is a named site `<kind>.<region>`):
   6b act      [waits hg] the planes joined, clamped SwiGLU -> h (bf16).
   7 down      [waits h] GEMV tiles; TP 1: hc_post of the tile's columns -> X_out. TP > 1: xd, and
   7b down_sum [waits xd] rank-order sum, hc_post -> X_out.
-              Dense down in KG K slices (KG > 1, schedule.py choose_groups: 3 at the real shapes): the
+              Dense down in KG K slices (KG > 1, schedule.py choose_groups: 3 at the real TP1 shapes): the
               slices write dpart planes (dp), which down_join adds in order before hc_post / xd.
 Data read after a wait but written earlier than the region waited on (x0, xmid) is
 ordered by the chain of release/acquire hand-offs in between (happens-before is transitive).

@@ -301,8 +301,10 @@ class KdaLayerLaunch(Launch):
         slices (ffn_tasks.py down_task), joined in order by down_join as the MoE's expert groups."""
         self.moe, self.E, self.KE, self.I_E, self.nrpart, self.ks_e = False, 1, 1, 1, 1, 1
         steps = self.W_d.shape[1] // 128
-        self.kg = self.down_groups or choose_groups(-(-self.H // self.block_n), steps,
-                                                    self.block_n * 128 * self.W_d.element_size())
+        # TP > 1: unsplit unless pinned (the model gives 3 at TP8 too, -1.7 us, against a second hop there: not
+        # measured yet)
+        self.kg = self.down_groups or (1 if self.tp_size > 1 else choose_groups(
+            -(-self.H // self.block_n), steps, self.block_n * 128 * self.W_d.element_size()))
         if steps % self.kg:
             raise ValueError(f"{self.kind}: down_groups={self.kg} must divide the down GEMV's {steps} K steps of 128")
         self.act_fold = False
