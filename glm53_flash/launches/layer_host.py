@@ -35,6 +35,10 @@ from .kda_layer import BOXES, FAMILIES, META, META_WORDS, ROWS_REGIONS, kda_laye
 from .mixer_kda import TP_MAX
 
 ROWS_PAD = 8
+# o_proj / dense down K slices chosen from the shapes (layer_host._oproj_split, _no_moe) when on; off (unsplit unless
+# pinned) until a GPU run measures them: GLM53_SPLIT_BY_SHAPE=1 turns them on (written 2026-12-06, eleventh session,
+# CPU-tested; no device came that session)
+SPLIT_BY_SHAPE = os.environ.get("GLM53_SPLIT_BY_SHAPE", "0") == "1"
 SLOT = 40
 REGS_PER_SM = 65536         # sm_90: registers per SM, allocated per warp in units of 256 (8 per thread)
 
@@ -173,7 +177,7 @@ class KdaLayerLaunch(Launch):
                 raise ValueError(f"{self.kind}: oproj_split={ks} must divide o_proj's {steps} K steps of 128, be at "
                                  f"most {TP_MAX.value}, and needs tp_size 1")
             return ks
-        if self.tp_size > 1 or self.oproj_split == 1:
+        if self.tp_size > 1 or self.oproj_split == 1 or not SPLIT_BY_SHAPE:
             return 1
         return choose_groups(-(-self.H // self.block_n), steps, self.block_n * 128 * self.W_o.element_size(),
                              max_groups=TP_MAX.value)
@@ -303,7 +307,7 @@ class KdaLayerLaunch(Launch):
         steps = self.W_d.shape[1] // 128
         # TP > 1: unsplit unless pinned (the model gives 3 at TP8 too, -1.7 us, against a second hop there: not
         # measured yet)
-        self.kg = self.down_groups or (1 if self.tp_size > 1 else choose_groups(
+        self.kg = self.down_groups or (1 if self.tp_size > 1 or not SPLIT_BY_SHAPE else choose_groups(
             -(-self.H // self.block_n), steps, self.block_n * 128 * self.W_d.element_size()))
         if steps % self.kg:
             raise ValueError(f"{self.kind}: down_groups={self.kg} must divide the down GEMV's {steps} K steps of 128")
