@@ -197,7 +197,8 @@ def down_task(W_d, S_d, X_out, xd, scratch, meta, rows, width, tp_rank, tp_size,
     else:
         y = f32_at(scratch, meta, M_DPART) + a3 * width * H
     site = const_word(meta + M_SITE_XD)
-    sb, sw, ss = sig_words(scratch, meta, B_DP)
+    if KG > 1:
+        sb, sw, ss = sig_words(scratch, meta, B_DP)                     # the plane's signal, before the wait
     if KG == 1:
         # h and hc_post's coefficients in one spin (ffn.waitb2), before this rank's xd (a stall of either still
         # starves every rank)
