@@ -171,17 +171,10 @@ class KdaLaunch(KdaLayerLaunch):
         rd = ("sel", "xe", "h") if self.act_fold else ("sel", "h")         # (site order as site_names)
         if self.kg > 1:
             ranges = self._moe_down_tasks(g, row_bytes, rd, ("dp",), "dp")
-            g.stage("down_join")
-            for s, (t0, n) in enumerate(ranges):
-                g.add("down_join", (t0, n, s), reads=("dp",) + self._hc_post_reads("cf2"),
-                      writes=("xd",) if tp > 1 else (),
-                      nbytes=self.kg * W * n * BN * 4)
+            self._down_join(g, ranges)
         elif tp == 1:
             ranges = self._gemv_stage(g, "moe_down", H, row_bytes, rd + self._hc_post_reads("cf2"), (),
                                       None, ret_ranges=True)
         else:
             ranges = self._moe_down_tasks(g, row_bytes, rd + self._hc_post_reads("cf2"), ("xd",), None)
-        if tp > 1:
-            self._peers(g, "peer_d", ranges, "xd")
-            g.stage("down_sum")
-            self._row_group_tasks(g, "post2", ranges, lambda n, nr: tp * nr * n * BN * 8, reads=("xd",))
+        self._down_sum(g, ranges)

@@ -425,7 +425,7 @@ class KdaLayerLaunch(Launch):
         self._gate_tasks(g, "2", "hp2", "a", "cf2")
 
     def _ffn_graph(self, g: TaskGraph, wb: int) -> None:
-        H, tp, BN = self.H, self.tp_size, self.block_n
+        H, tp = self.H, self.tp_size
         g.stage("gate_up")
         self._gemv_stage(g, "gu", self.I, 2 * H * wb, ("a",), ("hg",), "hg", k_split=self.ks_gu)
         g.stage("act")
@@ -434,18 +434,26 @@ class KdaLayerLaunch(Launch):
         if self.kg > 1:             # K slices -> dpart planes, joined in order (and hc_post / xd) by down_join
             ranges = self._gemv_stage(g, "down", H, self.I * wb, ("h",), ("dp",), "dp", ret_ranges=True,
                                       k_split=self.kg)
-            g.stage("down_join")
-            for s, (t0, n) in enumerate(ranges):
-                g.add("down_join", (t0, n, s), reads=("dp", "cf2"), writes=("xd",) if tp > 1 else (),
-                      nbytes=self.kg * self.width * n * BN * 4)
-            if tp > 1:
-                self._peers(g, "peer_d", ranges, "xd")
-                g.stage("down_sum")
-                self._row_group_tasks(g, "post2", ranges, lambda n, nr: tp * nr * n * BN * 8, reads=("xd",))
+            self._down_join(g, ranges)
         elif tp == 1:
-            self._gemv_stage(g, "down", H, self.I * wb, ("h", "cf2"), (), None)
+            ranges = self._gemv_stage(g, "down", H, self.I * wb, ("h", "cf2"), (), None, ret_ranges=True)
         else:
             ranges = self._gemv_stage(g, "down", H, self.I * wb, ("h", "cf2"), ("xd",), None, ret_ranges=True)
+        self._down_sum(g, ranges)
+
+    # the FFN's tail stages, shared with the MoE graph (kda.py)
+    def _down_join(self, g, ranges) -> None:
+        """down_join tasks (t0, n, producer) over the down stage's tile ranges: the KG planes of dp in order, then
+        hc_post (TP 1) or this rank's xd (TP > 1)."""
+        g.stage("down_join")
+        for s, (t0, n) in enumerate(ranges):
+            g.add("down_join", (t0, n, s), reads=("dp",) + self._hc_post_reads("cf2"),
+                  writes=("xd",) if self.tp_size > 1 else (), nbytes=self.kg * self.width * n * self.block_n * 4)
+
+    def _down_sum(self, g, ranges) -> None:
+        """TP > 1: the loopback peers' xd tiles and the down_sum (post2) tasks over the tile ranges."""
+        tp, BN = self.tp_size, self.block_n
+        if tp > 1:
             self._peers(g, "peer_d", ranges, "xd")
             g.stage("down_sum")
             self._row_group_tasks(g, "post2", ranges, lambda n, nr: tp * nr * n * BN * 8, reads=("xd",))
