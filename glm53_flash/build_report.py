@@ -23,8 +23,7 @@ N_SM = 132                      # H100 / H200
 def k_splits(c: dict, fp8: bool, tp: int, k_o: int, wb_o: int) -> dict:
     """KS_IN / KS_GU / KS_E / KG / KS_O as the launches choose them for the constexprs c (layer_host.py
     k_split_for, _oproj_split and _no_moe, kda.py choose_groups); k_o, wb_o: o_proj's K and weight bytes."""
-    from .launches.layer_host import SPLIT_BY_SHAPE
-    from .launches.mixer_kda import TP_MAX
+    from .launches.layer_host import down_split_for, oproj_split_for
     from .schedule import choose_groups, choose_k_split
     wb = 1 if fp8 else 2
     step = c["BLOCK_N"] * 128
@@ -33,8 +32,8 @@ def k_splits(c: dict, fp8: bool, tp: int, k_o: int, wb_o: int) -> dict:
     return dict(KS_IN=ks(c["N_IN"], 2) if "N_IN" in c else 1, KS_GU=ks(c["I"], 2 * wb),
                 KS_E=ks(c["KE"] * c["I_E"], 2 * wb) if c["MOE"] else 1,
                 KG=choose_groups(tiles, c["KE"] + 1, c["BLOCK_N"] * c["I_E"] * wb) if c["MOE"] else
-                1 if tp > 1 or not SPLIT_BY_SHAPE else choose_groups(tiles, c["I"] // 128, step * wb),
-                KS_O=1 if tp > 1 or not SPLIT_BY_SHAPE else choose_groups(tiles, k_o // 128, step * wb_o, max_groups=TP_MAX.value))
+                down_split_for(tp, c["H"], c["I"], wb, c["BLOCK_N"]),
+                KS_O=oproj_split_for(tp, c["H"], k_o, wb_o, c["BLOCK_N"]))
 
 
 def layer_consts(tp: int = 1, moe: bool = False, embed: bool = False, fp8: bool = False) -> dict:

@@ -39,6 +39,23 @@ ROWS_PAD = 8
 # pinned) until a GPU run measures them: GLM53_SPLIT_BY_SHAPE=1 turns them on (written 2026-12-06, eleventh session,
 # CPU-tested; no device came that session)
 SPLIT_BY_SHAPE = os.environ.get("GLM53_SPLIT_BY_SHAPE", "0") == "1"
+
+
+def oproj_split_for(tp: int, n: int, k: int, wbytes: int, block_n: int) -> int:
+    """o_proj's K slices from the shape (W_o [n, k] of wbytes an element, block_n-row tiles): the
+    slices are sources of the o_sum rank sum, so at most TP_MAX; TP > 1: 1 (tp x KS sources, larger mailboxes:
+    not built). schedule.choose_groups, whose join hop replaces the tile owner's fused hc_post at TP 1."""
+    if tp > 1 or not SPLIT_BY_SHAPE:
+        return 1
+    return choose_groups(-(-n // block_n), k // 128, block_n * 128 * wbytes, max_groups=TP_MAX.value)
+
+
+def down_split_for(tp: int, n: int, k: int, wbytes: int, block_n: int) -> int:
+    """The dense down GEMV's K slices from the shape (as oproj_split_for), joined by down_join. TP > 1: 1 (the
+    model gives 3 at TP8 too, -1.7 us, against a second hop there: not measured)."""
+    if tp > 1 or not SPLIT_BY_SHAPE:
+        return 1
+    return choose_groups(-(-n // block_n), k // 128, block_n * 128 * wbytes)
 SLOT = 40
 REGS_PER_SM = 65536         # sm_90: registers per SM, allocated per warp in units of 256 (8 per thread)
 
@@ -166,21 +183,16 @@ class KdaLayerLaunch(Launch):
         self.meta = self._meta().to(dev)
 
     def _oproj_split(self) -> int:
-        """K slices of o_proj (W_o [H, K], loaded): at TP 1 the tiles of full K kept 64 of 264 CTAs busy (~33 us
-        of the TP1 launch for 67 MB), so the K slices go to the xo mailbox as sources and the o_sum tasks add them
-        in order (ffn.py oproj_task / post1_task), a join hop instead of the tile owner's hc_post. TP > 1: 1 (the
-        slices would be tp x KS sources (<= TP_MAX) in the rank sum, in larger mailboxes: not built yet)."""
+        """K slices of o_proj (W_o loaded): the pin, or oproj_split_for's shape choice. At TP 1 the tiles of full K
+        kept 64 of 264 CTAs busy (36 us for 67 MB, H100 trace), so the slices go to the xo mailbox as sources and the
+        o_sum tasks add them in order (ffn.py oproj_task / post1_task): a join hop instead of the tile owner's
+        hc_post."""
         steps = self.W_o.shape[1] // 128
-        if self.oproj_split and self.oproj_split > 1:
-            ks = self.oproj_split
-            if steps % ks or ks > TP_MAX.value or self.tp_size > 1:
-                raise ValueError(f"{self.kind}: oproj_split={ks} must divide o_proj's {steps} K steps of 128, be at "
-                                 f"most {TP_MAX.value}, and needs tp_size 1")
-            return ks
-        if self.tp_size > 1 or self.oproj_split == 1 or not SPLIT_BY_SHAPE:
-            return 1
-        return choose_groups(-(-self.H // self.block_n), steps, self.block_n * 128 * self.W_o.element_size(),
-                             max_groups=TP_MAX.value)
+        ks = self.oproj_split or oproj_split_for(self.tp_size, *self.W_o.shape, self.W_o.element_size(), self.block_n)
+        if ks > 1 and (steps % ks or ks > TP_MAX.value or self.tp_size > 1):
+            raise ValueError(f"{self.kind}: oproj_split={ks} must divide o_proj's {steps} K steps of 128, be at "
+                             f"most {TP_MAX.value}, and needs tp_size 1")
+        return ks
 
     def _setup_xchg(self, xchg) -> None:
         """The cross-rank mailboxes (xo, xd) and the loopback peers' partials (shared with sparse.py); at TP 1 with
@@ -305,10 +317,8 @@ class KdaLayerLaunch(Launch):
         slices (ffn_tasks.py down_task), joined in order by down_join as the MoE's expert groups."""
         self.moe, self.E, self.KE, self.I_E, self.nrpart, self.ks_e = False, 1, 1, 1, 1, 1
         steps = self.W_d.shape[1] // 128
-        # TP > 1: unsplit unless pinned (the model gives 3 at TP8 too, -1.7 us, against a second hop there: not
-        # measured yet)
-        self.kg = self.down_groups or (1 if self.tp_size > 1 or not SPLIT_BY_SHAPE else choose_groups(
-            -(-self.H // self.block_n), steps, self.block_n * 128 * self.W_d.element_size()))
+        self.kg = self.down_groups or down_split_for(self.tp_size, *self.W_d.shape, self.W_d.element_size(),
+                                                     self.block_n)
         if steps % self.kg:
             raise ValueError(f"{self.kind}: down_groups={self.kg} must divide the down GEMV's {steps} K steps of 128")
         self.act_fold = False
