@@ -235,39 +235,6 @@ def l2_prefetch_experts(W, ids_row, n, E, n0, N, K: tl.constexpr, BLOCK_N: tl.co
             prefetch_l2(ptrs, ((q < n) & (rows_n < N))[:, None] & (offs_l[None, :] < K))
 
 
-# Look-ahead prefetch (GLM53_LOOKAHEAD_LINES, lines of 128 B per weight row; 0: off): a task of a latency-bound
-# chain (the KDA step: launches/kda_layer.py) first moves the weights of its CTA's next o_proj task toward L2, so
-# HBM, idle for the ~20 us of the chain at TP 1 (H100 trace, bench/RESULTS.md eleventh session), streams the
-# next stage's bytes before its wait opens. o_proj's own l2_prefetch_rows comes only when its task starts, after
-# the chain.
-LOOKAHEAD_LINES: tl.constexpr = tl.constexpr(int(os.environ.get("GLM53_LOOKAHEAD_LINES", "0")))
-
-
-@triton.jit(noinline=True)
-def lookahead_oproj(table, i, end, W_o, fam_oproj, H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    KS_O: tl.constexpr, LINES: tl.constexpr):
-    """L2 prefetch of the first LINES lines of every weight row of the o_proj task (family fam_oproj; args t0, n
-    tiles, producer, K slice) among this CTA's next 3 table entries i + 1 .. (< end), from its K slice's start."""
-    EPL: tl.constexpr = 1024 // W_o.dtype.element_ty.primitive_bitwidth
-    KL: tl.constexpr = D // KS_O
-    j = i + 1
-    while j < tl.minimum(i + 4, end):
-        t = table + j * 8
-        if const_word(t) == fam_oproj:
-            n0 = const_word(t + 2) * BLOCK_N
-            n1 = tl.minimum(n0 + const_word(t + 3) * BLOCK_N, H)
-            k0 = const_word(t + 5) * KL
-            if not in_interpreter():
-                r = n0
-                while r < n1:
-                    offs_n = r + tl.arange(0, BLOCK_N)
-                    offs_l = tl.arange(0, LINES) * EPL
-                    ptrs = W_o + offs_n[:, None].to(tl.int64) * D + k0 + offs_l[None, :]
-                    prefetch_l2(ptrs, (offs_n[:, None] < n1) & (offs_l[None, :] < KL))
-                    r += BLOCK_N
-        j += 1
-
-
 @triton.jit(noinline=True)
 def gemv_tile(W, S, x, stride_x, n0, k0, k1, rows, width, src, n_src, n_dest, y, stride_y, xchg, tag, site,
               fault_site, N: tl.constexpr, K: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -59,10 +59,9 @@ import triton.language as tl
 
 from sync.device import const_word, launch_begin, launch_end, trace_clock, trace_cycles, trace_store
 
-from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, LOOKAHEAD_LINES, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO,
-                  M_XMID, act_at, coef_task, f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows,
-                  lookahead_oproj, meta_layout, oproj_task, peer_task, post1_task, runtime_i32, sig_words, signal_at,
-                  task_entry, waitb, warm_before)
+from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO, M_XMID, act_at,
+                  coef_task, f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows, meta_layout, oproj_task,
+                  peer_task, post1_task, runtime_i32, sig_words, signal_at, task_entry, waitb, warm_before)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
 from .mixer_kda import kda_block, kda_norm_task, kda_prefetch
 
@@ -228,14 +227,10 @@ def kda_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X, X_
                                        timeout_ns, fault_site, H, N_IN, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES,
                                        ACT_F32, KS_IN)
             elif fam == 3:                                 # kda: row a0, head a1, block a2, producer a3
-                if LOOKAHEAD_LINES > 0:                    # the next o_proj task's weights toward L2 (ffn.py)
-                    lookahead_oproj(table, i, end, W_o, runtime_i32(5), H, D, BLOCK_N, KS_O, LOOKAHEAD_LINES)
                 ok, rdy = _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, onorm_w, scratch,
                                     meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns, fault_site, eps,
                                     lower_bound, D, NH, R, N_IN, DK, DV, BV, KC, CK, ACT_F32, KS_IN)
             elif fam == 4:                                 # kda_norm: row a0, head a1, block a2, producer a3
-                if LOOKAHEAD_LINES > 0:
-                    lookahead_oproj(table, i, end, W_o, runtime_i32(5), H, D, BLOCK_N, KS_O, LOOKAHEAD_LINES)
                 ok, rdy = _kda_norm_task(g_b, onorm_w, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr,
                                          timeout_ns, fault_site, eps, D, NH, R, N_IN, DV, BV, CK, ACT_F32, KS_IN)
             elif fam == 5:                                 # oproj: tiles a0 .. a0 + a1 - 1, producer a2, K slice a3
