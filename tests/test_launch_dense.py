@@ -92,6 +92,17 @@ def check_step(L, out, S, W, ref, caches, layer, X, tol, tp=1, rank=0, label="")
     return errs
 
 
+def check_tp2(Ls, X, ref, caches, layer, label):
+    """Simulated TP2 of Ls (a launch per rank, one mailbox): every rank the same bits, each rank's X', state and
+    window the reference's. -> the outputs."""
+    ins = [(X, *rank_state(ref.cfg, caches, layer, r, 2)) for r in range(2)]
+    outs = run_tp(Ls, ins)
+    assert torch.equal(outs[0], outs[1])
+    for r in range(2):
+        check_step(Ls[r], outs[r], ins[r][1], ins[r][2], ref, caches, layer, X, TOL_BF16, tp=2, rank=r, label=label)
+    return outs
+
+
 def fault_every_site(L, X, S, W, expect_sites, clean_after=None):
     """Fault injection at every wait site: the named timeout and the caller's state untouched; after the
     sites in `clean_after` (default: the first and the last; CPU time) a clean launch from the same inputs
@@ -241,12 +252,7 @@ def test_dense_split_k_oproj_and_down(tiny_cfg, tiny_weights, tiny_ref, gen, one
     xchg = new_xchg(tiny_cfg, 2, 4, "cpu")
     Ls = [DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, tp_rank=r, tp_size=2, width=4, xchg=xchg) for r in range(2)]
     assert [s.split(".")[1] for s in Ls[0].sites][-4:] == ["h", "dp", "cf2", "xd"]
-    ins = [(X, *rank_state(tiny_cfg, caches, DENSE_LAYER, r, 2)) for r in range(2)]
-    outs = run_tp(Ls, ins)
-    assert torch.equal(outs[0], outs[1])
-    for r in range(2):
-        check_step(Ls[r], outs[r], ins[r][1], ins[r][2], tiny_ref, caches, DENSE_LAYER, X, TOL_BF16, tp=2, rank=r,
-                   label="tp2-down-split")
+    check_tp2(Ls, X, tiny_ref, caches, DENSE_LAYER, "tp2-down-split")
     with pytest.raises(ValueError, match="oproj_split=2 .* needs tp_size 1"):
         monkeypatch.setattr(DenseLaunch, "oproj_split", 2)
         DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, tp_rank=0, tp_size=2, width=4, xchg=xchg)

@@ -14,8 +14,8 @@ from glm53_flash.reference import ops
 from glm53_flash.reference.model import ReferenceModel
 from sync import HandoffTimeout
 from sync.asm import SPIN_LINE_LOAD
-from test_launch_dense import (TOL_BF16, check_step, fault_every_site, gpu_layer_check, make_step, poison_scratch,
-                               rank_state, rel, tiny_ref)  # noqa: F401 (fixture)
+from test_launch_dense import (TOL_BF16, check_step, check_tp2, fault_every_site, gpu_layer_check, make_step,
+                               poison_scratch, rank_state, rel, tiny_ref)  # noqa: F401 (fixture)
 
 KDA_LAYER = 4
 
@@ -152,12 +152,7 @@ def test_kda_tp2_simulated(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
     xchg = new_xchg(tiny_cfg, 2, 2, "cpu")
     Ls = [KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, tp_rank=r, tp_size=2, width=2, xchg=xchg) for r in range(2)]
     assert Ls[0].I_E == tiny_cfg.moe_intermediate_size // 2
-    ins = [(X, *rank_state(tiny_cfg, caches, KDA_LAYER, r, 2)) for r in range(2)]
-    outs = run_tp(Ls, ins)
-    assert torch.equal(outs[0], outs[1])
-    for r in range(2):
-        check_step(Ls[r], outs[r], ins[r][1], ins[r][2], tiny_ref, caches, KDA_LAYER, X, TOL_BF16, tp=2, rank=r,
-                   label="tp2")
+    check_tp2(Ls, X, tiny_ref, caches, KDA_LAYER, "tp2")
 
 
 def test_kda_tp2_moe_down_row_groups_same_bits(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch):
@@ -225,12 +220,7 @@ def test_kda_grouped_moe_down(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread,
     xchg = new_xchg(tiny_cfg, 2, 2, "cpu")
     Ls = [KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, tp_rank=r, tp_size=2, width=2, xchg=xchg) for r in range(2)]
     assert [s.split(".")[1] for s in Ls[0].sites][-4:] == ["h", "dp", "cf2", "xd"]
-    ins = [(X, *rank_state(tiny_cfg, caches, KDA_LAYER, r, 2)) for r in range(2)]
-    outs = run_tp(Ls, ins)
-    assert torch.equal(outs[0], outs[1])
-    for r in range(2):
-        check_step(Ls[r], outs[r], ins[r][1], ins[r][2], tiny_ref, caches, KDA_LAYER, X, TOL_BF16, tp=2, rank=r,
-                   label="tp2-grouped")
+    check_tp2(Ls, X, tiny_ref, caches, KDA_LAYER, "tp2-grouped")
 
 
 def test_kda_fp8_checkpoint(tiny_cfg, tmp_path, gen, one_thread):
