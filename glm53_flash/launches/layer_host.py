@@ -570,8 +570,10 @@ class KdaLayerLaunch(Launch):
         pl.rows("hpart", (self.ks_gu, W, 2, self.I), f32)                       # gate|up K-slice planes
         pl.rows("epart", (self.ks_e, W, self.KE, 2, self.I_E), f32)
         pl.rows("dpart", (self.kg, W, H), f32)                                  # moe_down expert-group planes
-        # act_fold: each CTA's moe_down joins its expert group's activations of one row here (ffn_tasks.py)
-        pl.rows("act_cta", (self.grid, ((self.KE + 1) // self.kg) * self.I_E), bf)
+        # act_fold: each CTA's moe_down joins its expert group's activations of one row here (ffn_tasks.py);
+        # dense: unused (KE = I_E = 1 placeholders, KG its down's K slices), one word a CTA
+        per_group = (self.KE + 1) // self.kg if self.moe else 1
+        pl.rows("act_cta", (self.grid, per_group * self.I_E), bf)
 
     def _plan_boxes(self, pl: Planner) -> None:
         for b in self.META_LAYOUT[0]:
