@@ -24,7 +24,7 @@ from sync.device import const_word, signal_box, trace_mark, wait_box, wait_box2
 
 from ..kernels.gemv import gemv_store, gemv_stream
 from ..kernels.mhc import hc_partial_finish, hc_partial_prefetch, hc_post_partial, hc_post_tile
-from .tail import prefetch_l2
+from .tail import _l2_prefetch, prefetch_l2
 from .mixer_kda import SLOT_W, coef_row, embed_gather, gate_row, peer_publish, xchg_publish, xchg_sum
 
 # ---------------------------------------------------------------------------- meta layout
@@ -202,28 +202,16 @@ def act_at(scratch, meta, m, ACT_F32: tl.constexpr):
 # GLM53_L2_PREFETCH=0 drops the tasks' L2 prefetches before their waits (A/B on one tree: how much the burst of
 # prefetches at a stage's start delays the critical path's own loads and polls behind it)
 L2_PREFETCH: tl.constexpr = tl.constexpr(os.environ.get("GLM53_L2_PREFETCH", "1") != "0")
-# GLM53_PF_FIRST_LINES=L (A/B, twelfth session): the launch's first weight stage (kda / dense / embed in_proj,
-# sparse q_a | kv_a | indexer rows) moves the first L lines of each row of its first tile toward L2 before its
-# a_in wait instead of 4 (512 bytes): HBM idles while hc_pre and the gate row run (~10 us at TP1 and TP8).
-PF_FIRST_LINES: tl.constexpr = tl.constexpr(int(os.environ.get("GLM53_PF_FIRST_LINES", "4")))
 
 
 @triton.jit
-def l2_prefetch_rows(W, n0, N, K: tl.constexpr, BLOCK_N: tl.constexpr, LINES: tl.constexpr = 4,
-                     SPAN: tl.constexpr = 0):
-    """prefetch.global.L2 of the first LINES 128-byte lines (4: 512 bytes) of rows n0 .. n0 + BLOCK_N - 1 (< N)
-    of W [N, K] (row stride K; SPAN > 0: no line at or past SPAN elements, a K slice's end), 4 lines a
-    step: a task moves its first tile toward L2 before it waits, holding no registers across the wait (a
-    register prefetch held 32-64 registers per thread across the wait and the loops; launches/tail.py)."""
+def l2_prefetch_rows(W, n0, N, K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """prefetch.global.L2 of the first 512 bytes of rows n0 .. n0 + BLOCK_N - 1 (< N) of W [N, K]: a task
+    moves its first tile toward L2 before it waits, holding no registers across the wait (a register
+    prefetch held 32-64 registers per thread across the wait and the loops; launches/tail.py)."""
     EPL: tl.constexpr = 1024 // W.dtype.element_ty.primitive_bitwidth      # elements per 128-byte line
-    END: tl.constexpr = SPAN if SPAN > 0 else K
     if L2_PREFETCH:
-        if not in_interpreter():
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            rows = W + offs_n[:, None].to(tl.int64) * K
-            for c in tl.static_range(0, LINES, 4):
-                offs_l = (c + tl.arange(0, 4)) * EPL
-                prefetch_l2(rows + offs_l[None, :], (offs_n[:, None] < N) & (offs_l[None, :] < END))
+        _l2_prefetch(W, n0, N, K, BLOCK_N, 4, EPL)
 
 
 @triton.jit

@@ -59,10 +59,9 @@ import triton.language as tl
 
 from sync.device import const_word, launch_begin, launch_end, trace_clock, trace_cycles, trace_store
 
-from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO, M_XMID,
-                  PF_FIRST_LINES, act_at, coef_task, f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows,
-                  meta_layout, oproj_task, peer_task, post1_task, runtime_i32, sig_words, signal_at, task_entry, waitb,
-                  warm_before)
+from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO, M_XMID, act_at,
+                  coef_task, f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows, meta_layout, oproj_task,
+                  peer_task, post1_task, runtime_i32, sig_words, signal_at, task_entry, waitb, warm_before)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
 from .mixer_kda import kda_block, kda_norm_task, kda_prefetch
 
@@ -94,7 +93,7 @@ def _inproj_task(W_in, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag
     -> (ok, rdy)."""
     KL: tl.constexpr = H // KS
     k0 = a3 * KL
-    l2_prefetch_rows(W_in + k0, a0 * BLOCK_N, N_IN, H, BLOCK_N, PF_FIRST_LINES, KL)   # weights before the wait
+    l2_prefetch_rows(W_in + k0, a0 * BLOCK_N, N_IN, H, BLOCK_N)        # weights before the wait
     y = f32_at(scratch, meta, M_YIN) + a3 * width * N_IN                # meta words too (see ffn.waitb)
     x = act_at(scratch, meta, M_AIN, ACT_F32)
     sb, sw, ss = sig_words(scratch, meta, B_YIN)

@@ -35,8 +35,8 @@ from ..kernels.indexer import idx_score_pools, topk_hist_pass, topk_write
 from ..kernels.mla import (mla_absorb_finish, mla_absorb_prefetch, mla_attend_tile, mla_join_ctx, mla_out_ctx,
                            mla_out_prefetch)
 from .ffn import (B_A, B_AIN, B_HP2, B_O, COMMON_BOXES, COMMON_ROWS, M_A, M_AIN, M_HDR, M_ON, M_SITE_XD, M_SITE_XO,
-                  M_XMID, PF_FIRST_LINES, act_at, coef_task, f32_at, gate_task, hc_pre_task, i32_at, l2_prefetch_rows,
-                  meta_layout, oproj_task, peer_task, post1_task, runtime_i32, sig_words, signal, signal_at, task_entry,
+                  M_XMID, act_at, coef_task, f32_at, gate_task, hc_pre_task, i32_at, l2_prefetch_rows, meta_layout,
+                  oproj_task, peer_task, post1_task, runtime_i32, sig_words, signal, signal_at, task_entry,
                   waitb, warm_before)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
 from .mixer_dsa import dsa_norm_finish, dsa_norm_prefetch, gemv_tiles, rms_row
@@ -85,12 +85,11 @@ def _mat_a_task(W_qa, S_qa, W_kva, S_kva, W_ix, scratch, meta, rows, width, a0, 
     KL: tl.constexpr = H // KS
     k0 = a4 * KL
     if a0 == 0:
-        l2_prefetch_rows(W_qa + k0, a1 * BLOCK_N, QL, H, BLOCK_N, PF_FIRST_LINES, KL)
+        l2_prefetch_rows(W_qa + k0, a1 * BLOCK_N, QL, H, BLOCK_N)
     elif a0 == 1:
-        l2_prefetch_rows(W_kva + k0, a1 * BLOCK_N, C, H, BLOCK_N, PF_FIRST_LINES, KL)
+        l2_prefetch_rows(W_kva + k0, a1 * BLOCK_N, C, H, BLOCK_N)
     else:
-        l2_prefetch_rows(W_ix + k0, a1 * BLOCK_N, 2 * DI + NI, H, BLOCK_N, PF_FIRST_LINES,
-                         KL)
+        l2_prefetch_rows(W_ix + k0, a1 * BLOCK_N, 2 * DI + NI, H, BLOCK_N)
     xin = act_at(scratch, meta, M_AIN, ACT_F32)
     ya = f32_at(scratch, meta, M_YA) + a4 * width * NA
     sb, sw, ss = sig_words(scratch, meta, B_YA)
