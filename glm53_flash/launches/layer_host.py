@@ -36,8 +36,8 @@ from .mixer_kda import TP_MAX
 
 ROWS_PAD = 8
 # o_proj / dense down K slices chosen from the shapes (layer_host._oproj_split, _no_moe) when on; off (unsplit unless
-# pinned) until a GPU run measures them: GLM53_SPLIT_BY_SHAPE=1 turns them on (written 2026-12-06, eleventh session,
-# CPU-tested; no device came that session)
+# pinned): measured on the H100 (twelfth session) they gave nothing at TP1, each join's hop eating the shorter stage
+# (bench/RESULTS.md, docs/DECISIONS.md "The TP1 K slices, measured"). GLM53_SPLIT_BY_SHAPE=1 turns them on.
 SPLIT_BY_SHAPE = os.environ.get("GLM53_SPLIT_BY_SHAPE", "0") == "1"
 
 
@@ -56,6 +56,8 @@ def down_split_for(tp: int, n: int, k: int, wbytes: int, block_n: int) -> int:
     if tp > 1 or not SPLIT_BY_SHAPE:
         return 1
     return choose_groups(-(-n // block_n), k // 128, block_n * 128 * wbytes)
+
+
 SLOT = 40
 REGS_PER_SM = 65536         # sm_90: registers per SM, allocated per warp in units of 256 (8 per thread)
 
