@@ -259,6 +259,11 @@ def test_dense_split_k_oproj_and_down(tiny_cfg, tiny_weights, tiny_ref, gen, one
     with pytest.raises(ValueError, match="down_groups=3 must divide"):
         monkeypatch.setattr(DenseLaunch, "down_groups", 3)
         DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, width=4)
+    # more slices than the placeholder MoE's KE + 1 = 2 (the real TP1 shape chooses 3): the dense plan must not
+    # size its unused act_cta region from them (it once planned 0 words and could not be built)
+    monkeypatch.setattr(DenseLaunch, "down_groups", 4)
+    L4 = DenseLaunch(tiny_cfg, tiny_weights, DENSE_LAYER, width=4)
+    assert L4.kg == 4 and rel(L4.run(X, S.clone(), W.clone(), commit=False), base) < 1e-5
 
 
 def test_dense_tp2_loopback(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
