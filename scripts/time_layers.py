@@ -203,7 +203,7 @@ def build_layer(kind: str, cfg, tp: int, rows: int, weights: str, device: str, o
     cls = {"embed": EmbedLaunch, "dense": DenseLaunch, "kda": KdaLaunch, "sparse": SparseLaunch,
            "nextn": NextnLaunch}[kind]
     layer = lbytes.layer_of(cfg, kind)
-    lkw = {k: v for k, v in o.items() if k in ("grid", "num_warps", "block_n", "num_stages") and v is not None}
+    lkw = {k: v for k, v in o.items() if k in ("grid", "num_warps", "block_n", "block_k", "num_stages") and v is not None}
     launches, bases, fns, bfns = [], [], [], []
     info: dict = {"fmt": fmt, "copies": copies, "timing": mode}
     n_routed, err = None, {}
@@ -496,7 +496,7 @@ def build_kind(kind, cfg, args, device):
         return cases, {"bytes": {"lm_head + norm + X": cases[0].bytes_read}, "copies": len(cases[0].fns),
                        "timing": "rotate"}
     opts = dict(pos=args.pos, dry=args.dry_run, max_copies=args.max_copies, num_warps=args.num_warps,
-                block_n=args.block_n, num_stages=args.num_stages,
+                block_n=args.block_n, block_k=args.block_k, num_stages=args.num_stages,
                 grid=(args.ctas_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
                       if args.ctas_per_sm and not args.dry_run else None))
     return build_layer(kind, cfg, args.tp, args.rows, args.weights, device, opts)
@@ -565,7 +565,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-warps", type=int, default=None,
                     help="tail / layer kinds: warps per CTA (default: the launch's)")
     ap.add_argument("--block-n", type=int, default=None, help="tail / layer kinds: GEMV rows per tile")
-    ap.add_argument("--block-k", type=int, default=None, help="tail: K chunk per pipelined GEMV step")
+    ap.add_argument("--block-k", type=int, default=None, help="K chunk per pipelined GEMV step (layer kinds: "
+                    "128 by default; 256 streams two 128-wide MMA chunks a step, half the steps and barriers)")
     ap.add_argument("--num-stages", type=int, default=None, help="tail / layer kinds: GEMV software-pipeline depth")
     ap.add_argument("--ctas-per-sm", type=int, default=None,
                     help="tail / layer kinds: persistent grid = this many CTAs per SM (default: the launch's; "
