@@ -47,14 +47,15 @@ def empty_kernel(y_ptr):
     tl.store(y_ptr + tl.program_id(0), 0.0)
 
 
-# (label, N, block_n, block_k, k slices, stages): tasks = N / block_n * k slices, one CTA each (<= 2 an SM)
+# (label, N, K (0: --k), block_n, block_k, k slices, stages): tasks = N / block_n * k slices, one CTA each (<= 2 an SM)
 CASES = [
-    ("inproj bn64 bk128 ks4 s5", 3136, 64, 128, 4, 5),      # KDA in_proj at TP8 as the launch cuts it
-    ("inproj bn64 bk128 ks4 s3", 3136, 64, 128, 4, 3),
-    ("inproj bn64 bk256 ks4 s3", 3136, 64, 256, 4, 3),      # half the steps, 32 KB each
-    ("inproj bn32 bk128 ks2 s5", 3136, 32, 128, 2, 5),      # 16 steps of 8 KB
-    ("experts bn128 bk64 ks8 s5", 4096, 128, 64, 8, 5),     # the routed expert items (128 B a row a step)
-    ("experts bn64 bk128 ks4 s5", 4096, 64, 128, 4, 5),     # same bytes a step, 256 B a row
+    ("inproj bn64 bk128 ks4 s5", 3136, 0, 64, 128, 4, 5),      # KDA in_proj at TP8 as the launch cuts it
+    ("inproj bn64 bk128 ks4 s3", 3136, 0, 64, 128, 4, 3),
+    ("inproj bn64 bk256 ks4 s3", 3136, 0, 64, 256, 4, 3),      # half the steps, 32 KB each
+    ("inproj bn32 bk128 ks2 s5", 3136, 0, 32, 128, 2, 5),      # 16 steps of 8 KB
+    ("experts bn128 bk64 ks8 s5", 4096, 0, 128, 64, 8, 5),     # the routed expert items (128 B a row a step)
+    ("experts bn64 bk128 ks4 s5", 4096, 0, 64, 128, 4, 5),     # same bytes a step, 256 B a row
+    ("down bn64 bk128 ks4 s5", 4096, 2048, 64, 128, 4, 5),     # 8 experts' down rows (K = 8 x 256): moe_down's bytes
 ]
 
 
@@ -71,24 +72,26 @@ def main(argv=None) -> int:
         print("bench_gemv_stage.py needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    dev, K = "cuda", args.k
-    cases_def = [c for c in CASES if not args.only or any(s in c[0] for s in args.only.split(","))]
-    x = torch.randn(args.rows, K, device=dev).bfloat16()
-    ws = {n: [(torch.randn(n, K, device=dev) * K ** -0.5).bfloat16() for _ in range(args.copies)]
-          for n in sorted({c[1] for c in cases_def})}
+    dev = "cuda"
+    cases_def = [(lb, n, k or args.k, *rest) for lb, n, k, *rest in CASES
+                 if not args.only or any(s in lb for s in args.only.split(","))]
+    xs = {k: torch.randn(args.rows, k, device=dev).bfloat16() for k in sorted({c[2] for c in cases_def})}
+    ws = {(n, k): [(torch.randn(n, k, device=dev) * k ** -0.5).bfloat16() for _ in range(args.copies)]
+          for n, k in sorted({(c[1], c[2]) for c in cases_def})}
     bw, bw_detail = measure_read_bw()
     cases, errs = [], {}
-    for label, n, bn, bk, ks, ns in cases_def:
+    for label, n, K, bn, bk, ks, ns in cases_def:
         assert n % bn == 0 and K % (ks * bk) == 0, label
+        x = xs[K]
         n_tiles, kl = n // bn, K // ks
         grid = (n_tiles * ks,)
         y = torch.empty(ks, 8, n, device=dev)
         y.fill_(float("nan"))
 
-        def launch(w, y=y, n=n, bn=bn, bk=bk, ns=ns, n_tiles=n_tiles, kl=kl, grid=grid):
+        def launch(w, y=y, x=x, n=n, K=K, bn=bn, bk=bk, ns=ns, n_tiles=n_tiles, kl=kl, grid=grid):
             stage_kernel[grid](x, w, y, args.rows, n, K, kl, n_tiles, ROWS_PAD=8, BLOCK_N=bn, BLOCK_K=bk,
                                NUM_STAGES=ns, num_warps=4)
-        w0 = ws[n][0]
+        w0 = ws[(n, K)][0]
         launch(w0)
         ref = x.double() @ w0.double().T
         got = y[:, :args.rows].double().sum(0)
@@ -97,19 +100,19 @@ def main(argv=None) -> int:
         nbytes = w0.numel() * 2 + x.numel() * 2
         info = {"tasks": grid[0], "steps": kl // bk, "step_kb": bn * min(bk, 128) * 2 * (bk // min(bk, 128)) // 1024}
         cases.append(BenchCase(f"{label} L2", [lambda w0=w0, f=launch: f(w0)], nbytes, {**info, "src": "L2"}))
-        cases.append(BenchCase(f"{label} HBM", [lambda w=w, f=launch: f(w) for w in ws[n]], nbytes,
+        cases.append(BenchCase(f"{label} HBM", [lambda w=w, f=launch: f(w) for w in ws[(n, K)]], nbytes,
                                {**info, "src": "HBM"}))
     for g in sorted({c.info["tasks"] for c in cases}):
         ye = torch.empty(g, device=dev)
         cases.append(BenchCase(f"empty kernel grid {g}", [lambda g=g, ye=ye: empty_kernel[(g,)](ye)], 0,
                                {"tasks": g}, floor=False))
-    w_read = ws[max(ws)]
-    words = w_read[0].numel() // 2
+    big = max(ws, key=lambda nk: nk[0] * nk[1])
+    words = ws[big][0].numel() // 2
     if words % 2 ** 15 == 0:
-        rc = read_cases([w.view(torch.int32).view(-1) for w in w_read])[0]
-        cases.append(BenchCase(f"pure read {max(ws)}x{K} HBM", rc.fns, words * 4, floor=False))
+        rc = read_cases([w.view(torch.int32).view(-1) for w in ws[big]])[0]
+        cases.append(BenchCase(f"pure read {big[0]}x{big[1]} HBM", rc.fns, words * 4, floor=False))
     us = time_interleaved(cases, reps=args.reps, windows=args.windows)
-    card = {**env_card(), "k": K, "rows": args.rows, "copies": args.copies, "reps": args.reps,
+    card = {**env_card(), "k": args.k, "rows": args.rows, "copies": args.copies, "reps": args.reps,
             "windows": args.windows, "read_kernels_gbps": bw_detail, "rel_err_vs_fp64": errs}
     report("bench_gemv_stage", card, bw, cases, us, extra_cols=("tasks", "steps", "step_kb", "src"))
     return 0

@@ -303,3 +303,22 @@ def test_plot_needs_matplotlib_before_timing(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         time_layers.main(["--kind", "model", "--plot", "x.png"])
     assert e.value.code == 2 and "needs matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n,k,bn,bk,ks", [(128, 512, 64, 128, 2), (256, 512, 128, 64, 4), (128, 512, 64, 256, 2)])
+def test_bench_gemv_stage_kernel_matches_reference(n, k, bn, bk, ks):
+    """scripts/bench_gemv_stage.py's stage kernel (the launches' gemv_stream, a (tile, K slice) per program,
+    partial planes) on fresh random inputs under the interpreter: the planes' sum is x @ W^T, every element of
+    the row's planes written (poisoned first). The bench's shapes are the launches' (64 x 128 / 128 x 64 / bk256)."""
+    from bench_gemv_stage import CASES, stage_kernel
+    assert {(c[3], c[4]) for c in CASES} >= {(bn, bk)}
+    g = torch.Generator().manual_seed(n + bk)
+    x = torch.randn(1, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).bfloat16()
+    y = torch.full((ks, 8, n), float("nan"))
+    nt = n // bn
+    stage_kernel[(nt * ks,)](x, w, y, 1, n, k, k // ks, nt, ROWS_PAD=8, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=3)
+    assert not torch.isnan(y[:, 0]).any()
+    ref = x.double() @ w.double().T
+    got = y[:, :1].double().sum(0)
+    assert float((got - ref).norm() / ref.norm()) < 1e-5
