@@ -54,8 +54,9 @@ def test_dry_run_step_every_kind():
 
 
 @pytest.mark.parametrize("args", [("--kind", "nextn", "--tp", "2", "--rows", "2", "--weights", "fp8"),
-                                  ("--kind", "sparse", "--rows", "4", "--pos", "26", "--experts", "4")],
-                         ids=["nextn-tp2-rows2-fp8", "sparse-rows4-pos26-e4"])
+                                  ("--kind", "sparse", "--rows", "4", "--pos", "26", "--experts", "4"),
+                                  ("--kind", "kda", "--block-k", "256", "--num-stages", "3")],
+                         ids=["nextn-tp2-rows2-fp8", "sparse-rows4-pos26-e4", "kda-bk256-s3"])
 def test_dry_run_options(args):
     rec = dry(*args)
     rows = [r for r in rec["rows"] if "err" in r]
