@@ -30,7 +30,7 @@ import os
 import triton
 import triton.language as tl
 
-from sync.asm import fence_acq_rel, in_interpreter
+from sync.asm import fence_acq_rel
 from sync.device import const_word, trace_mark
 
 from ..kernels.gemv import gemv_store, gemv_store_at, gemv_stream, plane_sum
@@ -42,7 +42,7 @@ from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACT_CTA
                   act_at, add_cols, f32_at, gemv_tile, i32_at, l2_prefetch_experts, l2_prefetch_rows, post_cols,
                   sig_words, signal_at, waitb, waitb2, warm_before)
 from .mixer_kda import xchg_publish
-from .tail import prefetch_l2
+from .tail import _l2_prefetch
 
 FFN_BASE = tl.constexpr(40)
 FFN_FAMILIES = {"gu": 40, "act": 41, "router": 42, "expert": 43, "down": 44, "moe_down": 45, "post2": 46,
@@ -352,24 +352,24 @@ def expert_item(w_gu, s_gu, x, part, ids, rows, e, j1, i0, k0, E: tl.constexpr, 
 
 @triton.jit(noinline=True)
 def _down_share_to_l2(w_de, ids, a0, a1, E, KE: tl.constexpr, H: tl.constexpr, I_E: tl.constexpr):
-    """prefetch.global.L2 of slot a0's share (of a1) of the KE * H down rows of row 0's chosen experts (bank
-    [E, H, I_E], rows of I_E elements): one gather of the ids, then every line of the share (DOWN_PF_EARLY)."""
-    if not in_interpreter():
-        BITS: tl.constexpr = w_de.dtype.element_ty.primitive_bitwidth
-        EPL: tl.constexpr = 1024 // BITS                       # elements per 128-byte line
-        LPR: tl.constexpr = (I_E * BITS + 1023) // 1024         # lines per row
-        RB: tl.constexpr = 128
-        per = (KE * H + a1 - 1) // a1
-        f = a0 * per
-        f1 = tl.minimum(f + per, KE * H)
-        while f < f1:
-            fr = f + tl.arange(0, RB)
-            m = fr < f1
-            e = tl.load(ids + fr // H, mask=m, other=0, cache_modifier=".cg")
-            e = tl.minimum(tl.maximum(e, 0), E - 1).to(tl.int64)
-            offs_l = tl.arange(0, LPR) * EPL
-            prefetch_l2(w_de + ((e * H + fr % H) * I_E)[:, None] + offs_l[None, :], m[:, None] & (offs_l[None, :] < I_E))
-            f += RB
+    """Slot a0's share (of a1) of the KE * H down rows of row 0's chosen experts (bank [E, H, I_E]) toward L2, whole
+    rows, through tail.py's _l2_prefetch: one id load per expert the share touches (DOWN_PF_EARLY)."""
+    BITS: tl.constexpr = w_de.dtype.element_ty.primitive_bitwidth
+    EPL: tl.constexpr = 1024 // BITS                           # elements per 128-byte line
+    LPR: tl.constexpr = (I_E * BITS + 1023) // 1024             # lines per row
+    RB: tl.constexpr = 128
+    per = (KE * H + a1 - 1) // a1
+    f = a0 * per
+    f1 = tl.minimum(f + per, KE * H)
+    while f < f1:
+        d = f // H
+        e = tl.minimum(tl.maximum(tl.load(ids + d, cache_modifier=".cg"), 0), E - 1).to(tl.int64)
+        n1 = tl.minimum(f1 - d * H, H)                          # this expert's part of the share ends here
+        n = f - d * H
+        while n < n1:
+            _l2_prefetch(w_de + e * H * I_E, n, n1, I_E, RB, LPR, EPL)
+            n += RB
+        f = d * H + n1
 
 
 @triton.jit(noinline=True)
