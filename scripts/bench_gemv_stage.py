@@ -26,6 +26,7 @@ import triton                    # noqa: E402
 import triton.language as tl     # noqa: E402
 
 from bench_timing import BenchCase, env_card, measure_read_bw, read_cases, report, time_interleaved  # noqa: E402
+from time_layers import random_weight                                                                # noqa: E402
 from glm53_flash.kernels.gemv import gemv_store, gemv_stream                                          # noqa: E402
 
 
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
     cases_def = [(lb, n, k or args.k, *rest) for lb, n, k, *rest in CASES
                  if not args.only or any(s in lb for s in args.only.split(","))]
     xs = {k: torch.randn(args.rows, k, device=dev).bfloat16() for k in sorted({c[2] for c in cases_def})}
-    ws = {(n, k): [(torch.randn(n, k, device=dev) * k ** -0.5).bfloat16() for _ in range(args.copies)]
+    ws = {(n, k): [random_weight(n, k, False, dev)[0] for _ in range(args.copies)]
           for n, k in sorted({(c[1], c[2]) for c in cases_def})}
     bw, bw_detail = measure_read_bw()
     cases, errs = [], {}
