@@ -30,7 +30,7 @@ import os
 import triton
 import triton.language as tl
 
-from sync.asm import fence_acq_rel
+from sync.asm import fence_acq_rel, in_interpreter
 from sync.device import const_word, trace_mark
 
 from ..kernels.gemv import gemv_store, gemv_store_at, gemv_stream, plane_sum
@@ -42,7 +42,7 @@ from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACT_CTA
                   act_at, add_cols, f32_at, gemv_tile, i32_at, l2_prefetch_experts, l2_prefetch_rows, post_cols,
                   sig_words, signal_at, waitb, waitb2, warm_before)
 from .mixer_kda import xchg_publish
-from .tail import _l2_prefetch
+from .tail import prefetch_l2
 
 FFN_BASE = tl.constexpr(40)
 FFN_FAMILIES = {"gu": 40, "act": 41, "router": 42, "expert": 43, "down": 44, "moe_down": 45, "post2": 46,
@@ -60,15 +60,21 @@ def with_ffn_families(own: dict) -> dict:
 
 # GLM53_ACT_FENCE=1 (A/B timings only): _group_act fences its stores at gpu scope before the barrier, as it did
 ACT_FENCE: tl.constexpr = tl.constexpr(os.environ.get("GLM53_ACT_FENCE", "") == "1")
-# GLM53_DOWN_PF_EARLY=1 (A/B, 1 row): each expert slot moves its share of the chosen experts' down rows toward L2
-# right after the sel wait, before its gate|up items, so HBM streams the down bank during the expert stage instead
-# of after it (moe_down's own prefetch comes only when its CTA's expert item is done: the stage's end)
-DOWN_PF_EARLY: tl.constexpr = tl.constexpr(os.environ.get("GLM53_DOWN_PF_EARLY", "") == "1")
 
 ACT_COLS = 256              # act columns per task (expert activations) and per vector step
 ACT_BLOCK = tl.constexpr(ACT_COLS)
 ROUTER_BLOCK_E = 32         # experts per router task (launches/kda.py _ffn_graph): 144 tasks of 32 KB at E = 288,
                             # one wave on 264 CTAs (16: 288 tasks, 24 CTAs ran two in a row, +6 us traced)
+# Router K step (kernels/moe.py _router_chunk): the first chunk is a register prefetch held across the a wait.
+# GLM53_ROUTER_CK (A/B timings): 32 (8 registers a thread held across the wait) or 64 (16).
+ROUTER_CK = int(os.environ.get("GLM53_ROUTER_CK", "32"))
+if ROUTER_CK not in (32, 64):
+    raise ValueError(f"GLM53_ROUTER_CK={ROUTER_CK} must be 32 or 64")
+# GLM53_ROUTER_PF=1 (A/B timings): a router task moves the rest of its K slice (its 32 rows' 1 KB at TP8) toward L2
+# before its a wait, so the K steps after the wait read L2, not HBM (4.7 MB in all, while the KDA / o_proj chain
+# runs, which streams little)
+ROUTER_PF: tl.constexpr = tl.constexpr(os.environ.get("GLM53_ROUTER_PF", "") == "1")
+ROUTER_PF_LINES = tl.constexpr(8)   # 128-byte lines a row: the router's fp32 K slice at 16 K ranges of H 4096
 
 
 # ---------------------------------------------------------------------------- compute pieces
@@ -254,6 +260,12 @@ def router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, t
     """Router logit partial: experts [a0, a0 + BLOCK_E), K range [a1, a2), K part a4, producer a3 of rl.
     -> (ok, rdy)."""
     w0 = router_prefetch(W_r, a0, a1, a2, E, H, BLOCK_E, RCK)
+    if ROUTER_PF:
+        if not in_interpreter():
+            offs_e = a0 + tl.arange(0, BLOCK_E)
+            offs_l = a1 + RCK + tl.arange(0, ROUTER_PF_LINES) * 32              # fp32: 32 a line; chunk 0 is w0
+            prefetch_l2(W_r + offs_e[:, None].to(tl.int64) * H + offs_l[None, :],
+                        (offs_e[:, None] < E) & (offs_l[None, :] < a2))
     x = act_at(scratch, meta, M_A, ACT_F32)                             # meta words before the wait (see waitb)
     part = f32_at(scratch, meta, M_PART_R) + a4 * width * E
     sb, sw, ss = sig_words(scratch, meta, B_RL)
@@ -351,29 +363,7 @@ def expert_item(w_gu, s_gu, x, part, ids, rows, e, j1, i0, k0, E: tl.constexpr, 
 
 
 @triton.jit(noinline=True)
-def _down_share_to_l2(w_de, ids, a0, a1, E, KE: tl.constexpr, H: tl.constexpr, I_E: tl.constexpr):
-    """Slot a0's share (of a1) of the KE * H down rows of row 0's chosen experts (bank [E, H, I_E]) toward L2, whole
-    rows, through tail.py's _l2_prefetch: one id load per expert the share touches (DOWN_PF_EARLY)."""
-    BITS: tl.constexpr = w_de.dtype.element_ty.primitive_bitwidth
-    EPL: tl.constexpr = 1024 // BITS                           # elements per 128-byte line
-    LPR: tl.constexpr = (I_E * BITS + 1023) // 1024             # lines per row
-    RB: tl.constexpr = 128
-    per = (KE * H + a1 - 1) // a1
-    f = a0 * per
-    f1 = tl.minimum(f + per, KE * H)
-    while f < f1:
-        d = f // H
-        e = tl.minimum(tl.maximum(tl.load(ids + d, cache_modifier=".cg"), 0), E - 1).to(tl.int64)
-        n1 = tl.minimum(f1 - d * H, H)                          # this expert's part of the share ends here
-        n = f - d * H
-        while n < n1:
-            _l2_prefetch(w_de + e * H * I_E, n, n1, I_E, RB, LPR, EPL)
-            n += RB
-        f = d * H + n1
-
-
-@triton.jit(noinline=True)
-def expert_task(w_gu, s_gu, w_de, scratch, meta, rows, width, a0, a1, a4, rdy, pid, tag, hdr, timeout_ns, fault_site,
+def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a4, rdy, pid, tag, hdr, timeout_ns, fault_site,
                 E: tl.constexpr, KE: tl.constexpr, I_E: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr,
                 KS: tl.constexpr, K_PAD: tl.constexpr):
@@ -390,9 +380,6 @@ def expert_task(w_gu, s_gu, w_de, scratch, meta, rows, width, a0, a1, a4, rdy, p
     TPE: tl.constexpr = ((I_E + BLOCK_N - 1) // BLOCK_N) * KS          # items of one expert
     sb, sw, ss = sig_words(scratch, meta, B_XE)
     ok, rdy = waitb(scratch, meta, B_SEL, rdy, pid, tag, hdr, timeout_ns)
-    if DOWN_PF_EARLY:
-        if (ok != 0) & (rows == 1):
-            _down_share_to_l2(w_de, ids, a0, a1, E, KE, H, I_E)
     if (ok != 0) & (rows == 1):     # one row: its picks differ, so expert d is its rank d (no record join, whose
         w = a0                      # cross-warp reductions cost the 1-row path ~2-4 us, H100 trace)
         while w < KE * TPE:
@@ -594,7 +581,7 @@ def ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_
                                   fault_site, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES, ACT_F32)
     elif fam == 43:                                    # expert slot a0 of a1 (its items), producer a4
         if MOE:
-            ok, rdy = expert_task(w_gu, s_gu, w_de, scratch, meta, rows, width, a0, a1, a4, rdy, pid, tag, hdr, timeout_ns,
+            ok, rdy = expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a4, rdy, pid, tag, hdr, timeout_ns,
                                   fault_site, E, KE, I_E, H, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES, ACT_F32, KS_E,
                                   K_PAD)
     elif fam == 47:                                    # route: row a0's expert choice, producer a1

@@ -23,11 +23,11 @@ import os
 import torch
 
 from ..kernels.moe import pack_experts
-from .ffn_tasks import ACT_COLS, ROUTER_BLOCK_E
+from .ffn_tasks import ACT_COLS, ROUTER_BLOCK_E, ROUTER_CK
 from ..schedule import NOMINAL_GRID, choose_groups
 from .layer_host import KdaLayerLaunch
 
-RCK = 32            # router K step (kernels/moe.py ROUTER_CK)
+RCK = ROUTER_CK     # router K step (ffn_tasks.py ROUTER_CK)
 BLOCK_E = ROUTER_BLOCK_E   # experts per router tile
 ROUTER_PARTS = 16   # K ranges of the router GEMV, 8 K steps each (4 parts: 72 tasks of 64 KB, ~30 us traced)
 

@@ -30,7 +30,7 @@ from ..schedule import NOMINAL_GRID, TASK_COST_FLOOR, TaskGraph, choose_groups, 
 from ..weights import PREFIX, weight_specs
 from .base import Launch, check_rank_width, interpreting, run_interleaved
 from .ffn import BOX_BASE_H as BOX_BASE
-from .ffn_tasks import ROUTER_BLOCK_E
+from .ffn_tasks import ROUTER_BLOCK_E, ROUTER_CK
 from .kda_layer import BOXES, FAMILIES, META, META_WORDS, ROWS_REGIONS, kda_layer_kernel
 from .mixer_kda import TP_MAX
 
@@ -622,7 +622,7 @@ class KdaLayerLaunch(Launch):
                      ITERS=cfg.hc_sinkhorn_iters, ROWS_PAD=ROWS_PAD, EMBED=self.embed,
                      ACT_F32=self.act_dtype == "float32", MOE=self.moe, E=self.E, KE=self.KE, I_E=self.I_E,
                      E_PAD=triton.next_power_of_2(self.E), K_PAD=triton.next_power_of_2(self.KE),
-                     RENORM=bool(cfg.norm_topk_prob), BLOCK_E=ROUTER_BLOCK_E, RCK=32, KS_IN=self.ks_in, KS_GU=self.ks_gu,
+                     RENORM=bool(cfg.norm_topk_prob), BLOCK_E=ROUTER_BLOCK_E, RCK=ROUTER_CK, KS_IN=self.ks_in, KS_GU=self.ks_gu,
                      KS_E=self.ks_e, KG=self.kg, KS_O=self.ks_o)
         if self.maxnreg:
             const["maxnreg"] = self.maxnreg       # a compile option (ptxas), not a kernel argument
