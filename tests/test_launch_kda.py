@@ -148,13 +148,11 @@ def test_kda_oproj_k_slices(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, m
 
 
 def test_kda_router_wide_chunks(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch):
-    """GLM53_ROUTER_CK=64 (ffn_tasks.ROUTER_CK: the router's register prefetch and K step 64 columns wide), with
+    """router_ck 64 (GLM53_ROUTER_CK=64: the router's register prefetch and K step 64 columns wide), with
     2 router K ranges so each task walks several 64-column steps after its first: the routing record equals the
     reference router on the launch's own gate row, and the layer matches the reference (NaN-poisoned scratch)."""
     import glm53_flash.launches.kda as kda_mod
-    import glm53_flash.launches.layer_host as host_mod
-    monkeypatch.setattr(host_mod, "ROUTER_CK", 64)
-    monkeypatch.setattr(kda_mod, "RCK", 64)
+    monkeypatch.setattr(KdaLaunch, "router_ck", 64)
     monkeypatch.setattr(kda_mod, "ROUTER_PARTS", 2)
     X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 2, gen)
     S, W = rank_state(tiny_cfg, caches, KDA_LAYER)

@@ -35,7 +35,7 @@ from sync.device import const_word, trace_mark
 
 from ..kernels.gemv import gemv_store, gemv_store_at, gemv_stream, plane_sum
 from ..kernels.mlp import swiglu_clamped
-from ..kernels.moe import (moe_down_group, router_finish, router_logits, router_prefetch,
+from ..kernels.moe import (ROUTER_CK as MOE_ROUTER_CK, moe_down_group, router_finish, router_logits, router_prefetch,
                            router_store_partial, router_store_record, router_topk)
 from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACT_CTA, M_ACT_FOLD, M_ACTE, M_COEF2, M_DPART,
                   M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles,
@@ -65,9 +65,10 @@ ACT_COLS = 256              # act columns per task (expert activations) and per 
 ACT_BLOCK = tl.constexpr(ACT_COLS)
 ROUTER_BLOCK_E = 32         # experts per router task (launches/kda.py _ffn_graph): 144 tasks of 32 KB at E = 288,
                             # one wave on 264 CTAs (16: 288 tasks, 24 CTAs ran two in a row, +6 us traced)
-# Router K step (kernels/moe.py _router_chunk): the first chunk is a register prefetch held across the a wait.
-# GLM53_ROUTER_CK (A/B timings): 32 (8 registers a thread held across the wait) or 64 (16).
-ROUTER_CK = int(os.environ.get("GLM53_ROUTER_CK", "32"))
+# Router K step of the launches (kernels/moe.py _router_chunk; default the standalone kernel's ROUTER_CK): the first
+# chunk is a register prefetch held across the a wait. GLM53_ROUTER_CK (A/B timings): 32 (8 registers a thread held
+# across the wait) or 64 (16). The launches read it through their router_ck attribute (layer_host.py).
+ROUTER_CK = int(os.environ.get("GLM53_ROUTER_CK", str(MOE_ROUTER_CK)))
 if ROUTER_CK not in (32, 64):
     raise ValueError(f"GLM53_ROUTER_CK={ROUTER_CK} must be 32 or 64")
 # GLM53_ROUTER_PF=1 (A/B timings): a router task moves the rest of its K slice (its 32 rows' 1 KB at TP8) toward L2

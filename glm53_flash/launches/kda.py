@@ -23,13 +23,12 @@ import os
 import torch
 
 from ..kernels.moe import pack_experts
-from .ffn_tasks import ACT_COLS, ROUTER_BLOCK_E, ROUTER_CK
+from .ffn_tasks import ACT_COLS, ROUTER_BLOCK_E
 from ..schedule import NOMINAL_GRID, choose_groups
 from .layer_host import KdaLayerLaunch
 
-RCK = ROUTER_CK     # router K step (ffn_tasks.py ROUTER_CK)
 BLOCK_E = ROUTER_BLOCK_E   # experts per router tile
-ROUTER_PARTS = 16   # K ranges of the router GEMV, 8 K steps each (4 parts: 72 tasks of 64 KB, ~30 us traced)
+ROUTER_PARTS = 16   # K ranges of the router GEMV, 8 K steps of 32 each (4 parts: 72 tasks of 64 KB, ~30 us traced)
 
 
 class KdaLaunch(KdaLayerLaunch):
@@ -87,7 +86,7 @@ class KdaLaunch(KdaLayerLaunch):
         # router K ranges: the fp32 router weight (4.7 MB at E = 288) over E / BLOCK_E x ROUTER_PARTS tasks;
         # a fixed count, not one derived from the grid, so the partials' join order (bits) is the same on
         # every grid
-        split = -(-(-(-self.H // ROUTER_PARTS)) // RCK) * RCK
+        split = -(-(-(-self.H // ROUTER_PARTS)) // self.router_ck) * self.router_ck
         self.r_split = split
         self.nrpart = -(-self.H // split)
         # gate|up K slices of the shared expert and of one row's expert slots (KE x I_E / BLOCK_N tiles: the

@@ -133,6 +133,8 @@ class KdaLayerLaunch(Launch):
     # two CTAs per SM (128 registers, 4 warps: four would fit): twice the loads in flight per SM. kda TP1,
     # 1 row, bf16 on the H200: 518 us at 1 CTA per SM, 456 us at 2 (block_n 32: 660, 8 warps: 522)
     default_ctas_per_sm = 2
+    # the router's K step (ffn_tasks.ROUTER_CK, GLM53_ROUTER_CK): the kernel's RCK and the K ranges' rounding (kda.py)
+    router_ck: int = ROUTER_CK
     NEXTN = False                 # the NextN block (launches/nextn.py) has no mHC: no coef tasks or waits
     # K splits the launch would otherwise choose from the shapes (schedule.py choose_groups); tests pin them, and
     # GLM53_OPROJ_SPLIT / GLM53_DOWN_GROUPS set them for A/B timings (1: unsplit, the builds before 2026-12-06)
@@ -622,7 +624,7 @@ class KdaLayerLaunch(Launch):
                      ITERS=cfg.hc_sinkhorn_iters, ROWS_PAD=ROWS_PAD, EMBED=self.embed,
                      ACT_F32=self.act_dtype == "float32", MOE=self.moe, E=self.E, KE=self.KE, I_E=self.I_E,
                      E_PAD=triton.next_power_of_2(self.E), K_PAD=triton.next_power_of_2(self.KE),
-                     RENORM=bool(cfg.norm_topk_prob), BLOCK_E=ROUTER_BLOCK_E, RCK=ROUTER_CK, KS_IN=self.ks_in, KS_GU=self.ks_gu,
+                     RENORM=bool(cfg.norm_topk_prob), BLOCK_E=ROUTER_BLOCK_E, RCK=self.router_ck, KS_IN=self.ks_in, KS_GU=self.ks_gu,
                      KS_E=self.ks_e, KG=self.kg, KS_O=self.ks_o)
         if self.maxnreg:
             const["maxnreg"] = self.maxnreg       # a compile option (ptxas), not a kernel argument

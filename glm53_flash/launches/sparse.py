@@ -56,7 +56,7 @@ from ..kernels.mla import AttentionSplit, att_chunk, choose_attention_split, joi
 from ..schedule import TaskGraph
 from .kda import KdaLaunch
 from .base import check_rank_width, interpreting
-from .ffn_tasks import ROUTER_BLOCK_E, ROUTER_CK
+from .ffn_tasks import ROUTER_BLOCK_E
 from .layer_host import ROWS_PAD, _ranges, rank_tensors
 from .sparse_layer import BOXES, CACHE_ALIGN_ELEMS, FAMILIES, META, META_WORDS, ROWS_REGIONS, sparse_layer_kernel
 
@@ -357,7 +357,7 @@ class SparseLaunch(KdaLaunch):
                      OUT_PF=out_pf, BLOCK_P=self.block_p, T_MAX=self.t_max, BITS=self.bits,
                      SEL_BLOCK=min(64 if interpreting() else 1024, triton.next_power_of_2(self.sel_chunk)), NORM_BLOCK=triton.next_power_of_2(self.H),
                      E=self.E, KE=self.KE, I_E=self.I_E, E_PAD=triton.next_power_of_2(self.E),
-                     K_PAD=triton.next_power_of_2(self.KE), RENORM=bool(cfg.norm_topk_prob), BLOCK_E=ROUTER_BLOCK_E, RCK=ROUTER_CK,
+                     K_PAD=triton.next_power_of_2(self.KE), RENORM=bool(cfg.norm_topk_prob), BLOCK_E=ROUTER_BLOCK_E, RCK=self.router_ck,
                      NEXTN=self.NEXTN, TRACE=self.trace_args()[1], KS_GU=self.ks_gu, KS_E=self.ks_e, KG=self.kg, KS_O=self.ks_o,
                      **dict(zip(("NS_PAD", "SB"), join_chunk(sp.n_splits, self.C))), KS_A=self.ks_a,
                      Q_PAD=triton.next_power_of_2(self.QL), C_PAD=triton.next_power_of_2(self.C),
