@@ -164,6 +164,24 @@ def test_kda_router_wide_chunks(tiny_cfg, tiny_weights, tiny_ref, gen, one_threa
     check_step(L, out, S, W, tiny_ref, caches, KDA_LAYER, X, TOL_BF16, label="router-ck64")
 
 
+def test_kda_route_many_experts(gen, one_thread):
+    """160 experts, top 8 (the tiny preset otherwise): the route task's top-k takes the in-warp form
+    (kernels/moe.py _topk_warps, E_PAD >= 128); the record equals the reference router on the launch's own gate
+    row and the layer matches the reference (NaN-poisoned scratch)."""
+    from glm53_flash.config import preset
+    from glm53_flash.weights import RandomWeights
+    cfg = preset("tiny").replace(n_routed_experts=160, num_experts_per_tok=8)
+    weights = RandomWeights(cfg, seed=3)
+    ref = ReferenceModel(cfg, weights)
+    X, caches = make_step(cfg, ref, KDA_LAYER, 2, gen)
+    S, W = rank_state(cfg, caches, KDA_LAYER)
+    L = KdaLaunch(cfg, weights, KDA_LAYER, width=2)
+    poison_scratch(L)
+    out = L.run(X, S, W)
+    check_routing(L, 2)
+    check_step(L, out, S, W, ref, caches, KDA_LAYER, X, TOL_BF16, label="e160")
+
+
 def test_kda_tp2_simulated(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
     X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 2, gen)
     xchg = new_xchg(tiny_cfg, 2, 2, "cpu")

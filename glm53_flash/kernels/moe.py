@@ -72,6 +72,8 @@ stages brings the dense gate|up to 80 (kernels/mlp.py).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -82,6 +84,11 @@ from .mlp import TEST_CFG, check_cfg, check_weight, gateup_finish, gateup_prefet
 ROUTER_DENOM_EPS = tl.constexpr(1e-20)      # reference/ops.py ROUTER_DENOM_EPS
 LOW32 = tl.constexpr(0xFFFFFFFF)            # router_select's key: low word = 0xFFFFFFFF - expert index
 KEY_MIN = tl.constexpr(-(2 ** 63))          # a removed expert's key
+# GLM53_TOPK=loop (A/B timings): router_topk's one-tensor pick loop where the in-warp form applies (_topk_warps)
+_TOPK = os.environ.get("GLM53_TOPK", "warps")
+if _TOPK not in ("warps", "loop"):
+    raise ValueError(f"GLM53_TOPK={_TOPK!r} must be warps or loop")
+TOPK_WARPS = tl.constexpr(_TOPK == "warps")
 ROUTER_CK = 32      # router K step: 64 registers at BLOCK_E 32 (CK 64: 114), sm_90 offline compile
 
 
@@ -220,23 +227,80 @@ def router_topk(logit, bias, E, scaling, K: tl.constexpr, E_PAD: tl.constexpr, K
     m = e < E
     s = tl.sigmoid(logit)                                                     # [E_PAD] fp32
     choice = tl.where(m, s + tl.load(bias + e, mask=m, other=0.0), float("-inf"))
+    kk = tl.arange(0, K_PAD)
+    if TOPK_WARPS and (E_PAD >= 128) and (4 * K <= 32):
+        ids = _topk_warps(choice, e, K, E_PAD, K_PAD)
+    else:
+        ids = _topk_loop(choice, e, K, K_PAD)
+    # weights: s of each chosen expert, one 2-D gather (entries >= K stay 0)
+    w = tl.sum(tl.where((e[None, :] == ids[:, None]) & (kk[:, None] < K), s[None, :], 0.0), axis=1)
+    if RENORM:
+        w = w / (tl.sum(w, axis=0) + ROUTER_DENOM_EPS)
+    return ids, w * scaling
+
+
+@triton.jit
+def _topk_loop(choice, e, K: tl.constexpr, K_PAD: tl.constexpr):
+    """The top-K expert ids of `choice` in descending order, ties to the lower index (_order_key): K CTA-wide
+    picks over one tensor. A runtime loop, not static_range: one copy of the pick's code (1167 -> 674 SASS
+    instructions in route_task); cold code costs ~6 cycles an instruction, so the loop picked in 4.4 us where
+    the unrolled picks took 5.9."""
     key = _order_key(choice, e)
     kk = tl.arange(0, K_PAD)
     ids = tl.zeros([K_PAD], dtype=tl.int32)
     j = 0
-    # a runtime loop, not static_range: one copy of the pick's code (1167 -> 674 SASS instructions in route_task);
-    # cold code costs ~6 cycles an instruction, so the loop picked in 4.4 us where the unrolled picks took 5.9
     while j < K:
         best = tl.max(key, axis=0)
         idx = (~best & LOW32).to(tl.int32)                                    # lowest index among equals
         ids = tl.where(kk == j, idx, ids)
         key = tl.where(e == idx, KEY_MIN, key)
         j += 1
-    # weights: s of each chosen expert, one 2-D gather (entries >= K stay 0)
-    w = tl.sum(tl.where((e[None, :] == ids[:, None]) & (kk[:, None] < K), s[None, :], 0.0), axis=1)
-    if RENORM:
-        w = w / (tl.sum(w, axis=0) + ROUTER_DENOM_EPS)
-    return ids, w * scaling
+    return ids
+
+
+@triton.jit
+def _topk_warps(choice, e, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    """The top-K expert ids of `choice` [E_PAD] in descending order, ties to the lower index: _order_key's
+    order, as two int32 keys (the float's monotonic bits, then the index). Each pick of the one-tensor loop was
+    a CTA-wide max of int64 keys: shuffles, then shared memory and three barriers, ~0.35 us (2.8 us of the
+    route task's 4.4 on kda TP8's critical path). Here the [E_PAD] keys are viewed as [32, 4, E_PAD / 128] (in
+    the 4-warp kernels: lane, warp, registers), each quarter keeps its own top K with reductions over axes 0
+    and 2 only (in-warp: redux.sync, no barrier), one cross-quarter step gathers the 4 x K candidates into a
+    [32] tensor that every warp holds whole, and the K picks among those are in-warp again. The global top K
+    is among the quarters' top K, and each pick is the max of the same order, so the ids are the loop's,
+    bit for bit (CPU test: test_kernels_moe.py, both forms on tied and random scores)."""
+    NQ: tl.constexpr = E_PAD // 128
+    INT_MIN: tl.constexpr = -2147483648
+    b = choice.to(tl.int32, bitcast=True)
+    hi = tl.permute(tl.reshape(b ^ ((b >> 31) & 0x7FFFFFFF), [NQ, 4, 32]), (2, 1, 0))     # [lane, quarter, q]
+    e3 = tl.permute(tl.reshape(e, [NQ, 4, 32]), (2, 1, 0))
+    a0 = tl.arange(0, 32)
+    a1 = tl.arange(0, 4)
+    alive = e3 < E_PAD
+    c_hi = tl.full([32, 4], INT_MIN, tl.int32)
+    c_e = tl.full([32, 4], E_PAD, tl.int32)
+    j = 0
+    while j < K:                                  # each quarter's pick j lands in lane 4 j + quarter
+        hq = tl.max(tl.max(tl.where(alive, hi, INT_MIN), axis=2), axis=0)                  # [4]
+        eq = tl.min(tl.min(tl.where(alive & (hi == hq[None, :, None]), e3, E_PAD), axis=2), axis=0)
+        here = a0[:, None] == j * 4 + a1[None, :]
+        c_hi = tl.where(here, hq[None, :], c_hi)
+        c_e = tl.where(here, eq[None, :], c_e)
+        alive = alive & (e3 != eq[None, :, None])
+        j += 1
+    ck_hi = tl.max(c_hi, axis=1)                  # [32]: the one step across quarters
+    ck_e = tl.min(c_e, axis=1)
+    kk = tl.arange(0, K_PAD)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    live = a0 < 4 * K
+    j = 0
+    while j < K:
+        hb = tl.max(tl.where(live, ck_hi, INT_MIN), axis=0)
+        eb = tl.min(tl.where(live & (ck_hi == hb), ck_e, E_PAD), axis=0)
+        ids = tl.where(kk == j, eb, ids)
+        live = live & (ck_e != eb)
+        j += 1
+    return ids
 
 
 @triton.jit
