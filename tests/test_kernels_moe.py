@@ -158,8 +158,8 @@ def test_router_topk_in_warps_same_ids(E, K, gen, one_thread):
     nan[torch.randperm(E, generator=gen)[:K]] = float("nan")
     cases.append(nan)
     for c in cases:
-        out = torch.full((2 * K_PAD,), -7, dtype=torch.int32)
-        _topk_forms_kernel[(1,)](c.float().contiguous(), out, E, K, E_PAD, K_PAD)
+        out = torch.full((2 * K_PAD,), -7, dtype=torch.int32, device=DEV)
+        _topk_forms_kernel[(1,)](c.float().contiguous().to(DEV), out, E, K, E_PAD, K_PAD)
         loop, warps = out[:K].tolist(), out[K_PAD:K_PAD + K].tolist()
         assert len(set(loop)) == K and all(0 <= i < E for i in loop), loop
         assert warps == loop, (warps, loop)
