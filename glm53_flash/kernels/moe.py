@@ -228,7 +228,7 @@ def router_topk(logit, bias, E, scaling, K: tl.constexpr, E_PAD: tl.constexpr, K
     s = tl.sigmoid(logit)                                                     # [E_PAD] fp32
     choice = tl.where(m, s + tl.load(bias + e, mask=m, other=0.0), float("-inf"))
     kk = tl.arange(0, K_PAD)
-    if TOPK_WARPS and (E_PAD >= 128) and (4 * K <= 32):
+    if TOPK_WARPS and (E_PAD >= 128) and (4 * K <= E_PAD // 4):
         ids = _topk_warps(choice, e, K, E_PAD, K_PAD)
     else:
         ids = _topk_loop(choice, e, K, K_PAD)
@@ -261,38 +261,41 @@ def _topk_loop(choice, e, K: tl.constexpr, K_PAD: tl.constexpr):
 @triton.jit
 def _topk_warps(choice, e, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
     """The top-K expert ids of `choice` [E_PAD] in descending order, ties to the lower index: _order_key's
-    order, as two int32 keys (the float's monotonic bits, then the index). Each pick of the one-tensor loop was
-    a CTA-wide max of int64 keys: shuffles, then shared memory and three barriers, ~0.35 us (2.8 us of the
-    route task's 4.4 on kda TP8's critical path). Here the [E_PAD] keys are viewed as [32, 4, E_PAD / 128] (in
-    the 4-warp kernels: lane, warp, registers), each quarter keeps its own top K with reductions over axes 0
-    and 2 only (in-warp: redux.sync, no barrier), one cross-quarter step gathers the 4 x K candidates into a
-    [32] tensor that every warp holds whole, and the K picks among those are in-warp again. The global top K
-    is among the quarters' top K, and each pick is the max of the same order, so the ids are the loop's,
-    bit for bit (CPU test: test_kernels_moe.py, both forms on tied and random scores)."""
-    NQ: tl.constexpr = E_PAD // 128
+    order, as two int32 keys (the float's monotonic bits, then the index). Each pick of the one-tensor loop
+    (_topk_loop) is a CTA-wide max of int64 keys: shuffles, then shared memory and three barriers, ~0.35 us
+    (2.8 us of the route task's 4.4 on kda TP8's critical path). Here the keys are viewed as [4, E_PAD / 4]:
+    a 1-D tensor's default layout puts the warps on its top index bits, so in the 4-warp kernels row q is
+    warp q's own quarter and each quarter keeps its top K with in-warp reductions (redux.sync, no barrier);
+    one reduction over the rows gathers the 4 x K candidates into columns that every warp then holds, and
+    the K picks among those are in-warp again. The global top K is among the quarters' top K and each pick
+    takes the max of the same order, so the ids are the loop's bit for bit, whatever layout the compiler
+    picks (CPU test: test_kernels_moe.py, both forms on tied, -inf and NaN scores). A [32, 4, E_PAD / 128]
+    view instead, as first built, took its quarters from the index's low bits: inside route_task its axes
+    crossed the warps, every pick paid two cross-warp reductions, and kda TP8 lost 10 us (H100)."""
+    C: tl.constexpr = E_PAD // 4
     INT_MIN: tl.constexpr = -2147483648
     b = choice.to(tl.int32, bitcast=True)
-    hi = tl.permute(tl.reshape(b ^ ((b >> 31) & 0x7FFFFFFF), [NQ, 4, 32]), (2, 1, 0))     # [lane, quarter, q]
-    e3 = tl.permute(tl.reshape(e, [NQ, 4, 32]), (2, 1, 0))
-    a0 = tl.arange(0, 32)
-    a1 = tl.arange(0, 4)
-    alive = e3 < E_PAD
-    c_hi = tl.full([32, 4], INT_MIN, tl.int32)
-    c_e = tl.full([32, 4], E_PAD, tl.int32)
+    hi = tl.reshape(b ^ ((b >> 31) & 0x7FFFFFFF), [4, C])              # [quarter, column]
+    e2 = tl.reshape(e, [4, C])
+    q = tl.arange(0, 4)
+    col = tl.arange(0, C)
+    alive = e2 < E_PAD
+    c_hi = tl.full([4, C], INT_MIN, tl.int32)
+    c_e = tl.full([4, C], E_PAD, tl.int32)
     j = 0
-    while j < K:                                  # each quarter's pick j lands in lane 4 j + quarter
-        hq = tl.max(tl.max(tl.where(alive, hi, INT_MIN), axis=2), axis=0)                  # [4]
-        eq = tl.min(tl.min(tl.where(alive & (hi == hq[None, :, None]), e3, E_PAD), axis=2), axis=0)
-        here = a0[:, None] == j * 4 + a1[None, :]
-        c_hi = tl.where(here, hq[None, :], c_hi)
-        c_e = tl.where(here, eq[None, :], c_e)
-        alive = alive & (e3 != eq[None, :, None])
+    while j < K:                                  # each quarter's pick j lands in column 4 j + quarter
+        hq = tl.max(tl.where(alive, hi, INT_MIN), axis=1)                                  # [4]
+        eq = tl.min(tl.where(alive & (hi == hq[:, None]), e2, E_PAD), axis=1)
+        here = col[None, :] == j * 4 + q[:, None]
+        c_hi = tl.where(here, hq[:, None], c_hi)
+        c_e = tl.where(here, eq[:, None], c_e)
+        alive = alive & (e2 != eq[:, None])
         j += 1
-    ck_hi = tl.max(c_hi, axis=1)                  # [32]: the one step across quarters
-    ck_e = tl.min(c_e, axis=1)
+    ck_hi = tl.max(c_hi, axis=0)                  # [C]: the one step across quarters
+    ck_e = tl.min(c_e, axis=0)
     kk = tl.arange(0, K_PAD)
     ids = tl.zeros([K_PAD], dtype=tl.int32)
-    live = a0 < 4 * K
+    live = col < 4 * K
     j = 0
     while j < K:
         hb = tl.max(tl.where(live, ck_hi, INT_MIN), axis=0)
