@@ -84,8 +84,10 @@ from .mlp import TEST_CFG, check_cfg, check_weight, gateup_finish, gateup_prefet
 ROUTER_DENOM_EPS = tl.constexpr(1e-20)      # reference/ops.py ROUTER_DENOM_EPS
 LOW32 = tl.constexpr(0xFFFFFFFF)            # router_select's key: low word = 0xFFFFFFFF - expert index
 KEY_MIN = tl.constexpr(-(2 ** 63))          # a removed expert's key
-# GLM53_TOPK=loop (A/B timings): router_topk's one-tensor pick loop where the in-warp form applies (_topk_warps)
-_TOPK = os.environ.get("GLM53_TOPK", "warps")
+# GLM53_TOPK=warps (A/B timings): router_topk's in-warp picks (_topk_warps) where they apply (E_PAD >= 128, K <= 8
+# at 4 warps) instead of the one-tensor pick loop. Off until timed: its first view cost kda TP8 +10 us (H100,
+# bench/RESULTS.md fifteenth session); the view that replaced it is built and CPU-tested, not yet timed.
+_TOPK = os.environ.get("GLM53_TOPK", "loop")
 if _TOPK not in ("warps", "loop"):
     raise ValueError(f"GLM53_TOPK={_TOPK!r} must be warps or loop")
 TOPK_WARPS = tl.constexpr(_TOPK == "warps")
