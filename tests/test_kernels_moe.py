@@ -147,13 +147,13 @@ def _topk_forms_kernel(choice_p, ids_p, E, K: tl.constexpr, E_PAD: tl.constexpr,
 def test_router_topk_in_warps_same_ids(E, K, gen, one_thread):
     # the in-warp top-k (router_topk at E_PAD >= 128, K <= 8) against the one-tensor loop: the same ids in the
     # same order, on random scores, on scores with many exact ties (the lower index first), on -inf scores and
-    # NaNs, and with the winners crowded into one quarter of the [32, 4, E_PAD / 128] view or spread over all
+    # NaNs, and with the winners crowded into one quarter of the [4, E_PAD / 4] view or spread over all
     E_PAD, K_PAD = triton.next_power_of_2(E), triton.next_power_of_2(K)
     cases = [torch.randn(E, generator=gen),
              torch.randint(0, 4, (E,), generator=gen).float() * 0.5,          # ties everywhere
              torch.where(torch.rand(E, generator=gen) < 0.5, float("-inf"), torch.randn(E, generator=gen)),
              torch.arange(E).float() % 32,                                      # winners spread over the quarters
-             torch.where(torch.arange(E) // 32 % 4 == 1, 10.0 + torch.rand(E, generator=gen), 0.0)]  # one quarter
+             torch.where(torch.arange(E) // (E_PAD // 4) == 1, 10.0 + torch.rand(E, generator=gen), 0.0)]  # one quarter
     nan = torch.randn(E, generator=gen)
     nan[torch.randperm(E, generator=gen)[:K]] = float("nan")
     cases.append(nan)

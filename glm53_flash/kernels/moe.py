@@ -169,9 +169,14 @@ def _order_key(v, e):
     """int64 keys whose signed order is (v descending, e ascending): the float's bits made monotonic in
     the high word (negative floats flipped), 0xFFFFFFFF - e in the low word. One max over keys then
     gives the best value and, among equals, the lowest index."""
+    return (_monotonic_bits(v).to(tl.int64) << 32) | (LOW32 - e.to(tl.int64))
+
+
+@triton.jit
+def _monotonic_bits(v):
+    """fp32 -> int32 whose signed order is the floats' order (negative floats' magnitude bits flipped)."""
     b = v.to(tl.int32, bitcast=True)
-    b = b ^ ((b >> 31) & 0x7FFFFFFF)
-    return (b.to(tl.int64) << 32) | (LOW32 - e.to(tl.int64))
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
@@ -276,8 +281,7 @@ def _topk_warps(choice, e, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.const
     crossed the warps, every pick paid two cross-warp reductions, and kda TP8 lost 10 us (H100)."""
     C: tl.constexpr = E_PAD // 4
     INT_MIN: tl.constexpr = -2147483648
-    b = choice.to(tl.int32, bitcast=True)
-    hi = tl.reshape(b ^ ((b >> 31) & 0x7FFFFFFF), [4, C])              # [quarter, column]
+    hi = tl.reshape(_monotonic_bits(choice), [4, C])                    # [quarter, column]
     e2 = tl.reshape(e, [4, C])
     q = tl.arange(0, 4)
     col = tl.arange(0, C)
