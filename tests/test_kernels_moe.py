@@ -18,7 +18,6 @@ import triton.language as tl
 from glm53_flash.config import preset
 from glm53_flash.fp8 import dequantize_fp8, quantize_fp8
 from glm53_flash.kernels.gemv import default_config
-from glm53_flash.kernels import moe
 from glm53_flash.kernels.moe import moe_down_group, moe_forward, pack_experts
 from glm53_flash.reference import ops
 
@@ -132,40 +131,6 @@ def test_router_ties_go_to_lower_index(name, gen, one_thread):
     w, idx = ops.moe_route(x.float(), p["wr"], p["bias"], cfg)
     assert torch.equal(out["ids"].long().cpu(), idx)
     assert torch.equal(out["rw"][0].cpu(), torch.full((K,), cfg.routed_scaling_factor / K))   # equal shares
-
-
-@triton.jit
-def _topk_forms_kernel(choice_p, ids_p, E, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
-    e = tl.arange(0, E_PAD)
-    choice = tl.load(choice_p + e, mask=e < E, other=float("-inf"))
-    kk = tl.arange(0, K_PAD)
-    tl.store(ids_p + kk, moe._topk_loop(choice, e, K, K_PAD), mask=kk < K)
-    tl.store(ids_p + K_PAD + kk, moe._topk_warps(choice, e, K, E_PAD, K_PAD), mask=kk < K)
-
-
-@pytest.mark.parametrize("E, K", [(288, 8), (128, 8), (200, 6), (512, 8)])
-def test_router_topk_in_warps_same_ids(E, K, gen, one_thread):
-    # the in-warp top-k (router_topk at E_PAD >= 128, K <= 8) against the one-tensor loop: the same ids in the
-    # same order, on random scores, on scores with many exact ties (the lower index first), on -inf scores and
-    # NaNs, and with the winners crowded into one quarter of the [4, E_PAD / 4] view or spread over all
-    E_PAD, K_PAD = triton.next_power_of_2(E), triton.next_power_of_2(K)
-    cases = [torch.randn(E, generator=gen),
-             torch.randint(0, 4, (E,), generator=gen).float() * 0.5,          # ties everywhere
-             torch.where(torch.rand(E, generator=gen) < 0.5, float("-inf"), torch.randn(E, generator=gen)),
-             torch.arange(E).float() % 32,                                      # winners spread over the quarters
-             torch.where(torch.arange(E) // (E_PAD // 4) == 1, 10.0 + torch.rand(E, generator=gen), 0.0)]  # one quarter
-    nan = torch.randn(E, generator=gen)
-    nan[torch.randperm(E, generator=gen)[:K]] = float("nan")
-    cases.append(nan)
-    for c in cases:
-        out = torch.full((2 * K_PAD,), -7, dtype=torch.int32, device=DEV)
-        _topk_forms_kernel[(1,)](c.float().contiguous().to(DEV), out, E, K, E_PAD, K_PAD)
-        loop, warps = out[:K].tolist(), out[K_PAD:K_PAD + K].tolist()
-        assert len(set(loop)) == K and all(0 <= i < E for i in loop), loop
-        assert warps == loop, (warps, loop)
-        finite = torch.nan_to_num(c.float(), nan=-float("inf"))
-        if not torch.isnan(c).any():        # the loop itself against torch's stable descending order
-            assert loop == torch.sort(finite, descending=True, stable=True).indices[:K].tolist()
 
 
 def test_moe_deterministic_and_batch_invariant(gen, one_thread):

@@ -72,8 +72,6 @@ stages brings the dense gate|up to 80 (kernels/mlp.py).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -84,13 +82,6 @@ from .mlp import TEST_CFG, check_cfg, check_weight, gateup_finish, gateup_prefet
 ROUTER_DENOM_EPS = tl.constexpr(1e-20)      # reference/ops.py ROUTER_DENOM_EPS
 LOW32 = tl.constexpr(0xFFFFFFFF)            # router_select's key: low word = 0xFFFFFFFF - expert index
 KEY_MIN = tl.constexpr(-(2 ** 63))          # a removed expert's key
-# GLM53_TOPK=warps (A/B timings): router_topk's in-warp picks (_topk_warps) where they apply (E_PAD >= 128, K <= 8
-# at 4 warps) instead of the one-tensor pick loop. Off until timed: its first view cost kda TP8 +10 us (H100,
-# bench/RESULTS.md fifteenth session); the view that replaced it is built and CPU-tested, not yet timed.
-_TOPK = os.environ.get("GLM53_TOPK", "loop")
-if _TOPK not in ("warps", "loop"):
-    raise ValueError(f"GLM53_TOPK={_TOPK!r} must be warps or loop")
-TOPK_WARPS = tl.constexpr(_TOPK == "warps")
 ROUTER_CK = 32      # router K step: 64 registers at BLOCK_E 32 (CK 64: 114), sm_90 offline compile
 
 
@@ -235,10 +226,7 @@ def router_topk(logit, bias, E, scaling, K: tl.constexpr, E_PAD: tl.constexpr, K
     s = tl.sigmoid(logit)                                                     # [E_PAD] fp32
     choice = tl.where(m, s + tl.load(bias + e, mask=m, other=0.0), float("-inf"))
     kk = tl.arange(0, K_PAD)
-    if TOPK_WARPS and (E_PAD >= 128) and (4 * K <= E_PAD // 4):
-        ids = _topk_warps(choice, e, K, E_PAD, K_PAD)
-    else:
-        ids = _topk_loop(choice, e, K, K_PAD)
+    ids = _topk_loop(choice, e, K, K_PAD)
     # weights: s of each chosen expert, one 2-D gather (entries >= K stay 0)
     w = tl.sum(tl.where((e[None, :] == ids[:, None]) & (kk[:, None] < K), s[None, :], 0.0), axis=1)
     if RENORM:
@@ -261,53 +249,6 @@ def _topk_loop(choice, e, K: tl.constexpr, K_PAD: tl.constexpr):
         idx = (~best & LOW32).to(tl.int32)                                    # lowest index among equals
         ids = tl.where(kk == j, idx, ids)
         key = tl.where(e == idx, KEY_MIN, key)
-        j += 1
-    return ids
-
-
-@triton.jit
-def _topk_warps(choice, e, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
-    """The top-K expert ids of `choice` [E_PAD] in descending order, ties to the lower index: _order_key's
-    order, as two int32 keys (the float's monotonic bits, then the index). Each pick of the one-tensor loop
-    (_topk_loop) is a CTA-wide max of int64 keys: shuffles, then shared memory and three barriers, ~0.35 us
-    (2.8 us of the route task's 4.4 on kda TP8's critical path). Here the keys are viewed as [4, E_PAD / 4]:
-    a 1-D tensor's default layout puts the warps on its top index bits, so in the 4-warp kernels row q is
-    warp q's own quarter and each quarter keeps its top K with in-warp reductions (redux.sync, no barrier);
-    one reduction over the rows gathers the 4 x K candidates into columns that every warp then holds, and
-    the K picks among those are in-warp again. The global top K is among the quarters' top K and each pick
-    takes the max of the same order, so the ids are the loop's bit for bit, whatever layout the compiler
-    picks (CPU test: test_kernels_moe.py, both forms on tied, -inf and NaN scores). A [32, 4, E_PAD / 128]
-    view instead, as first built, took its quarters from the index's low bits: inside route_task its axes
-    crossed the warps, every pick paid two cross-warp reductions, and kda TP8 lost 10 us (H100)."""
-    C: tl.constexpr = E_PAD // 4
-    INT_MIN: tl.constexpr = -2147483648
-    hi = tl.reshape(_monotonic_bits(choice), [4, C])                    # [quarter, column]
-    e2 = tl.reshape(e, [4, C])
-    q = tl.arange(0, 4)
-    col = tl.arange(0, C)
-    alive = e2 < E_PAD
-    c_hi = tl.full([4, C], INT_MIN, tl.int32)
-    c_e = tl.full([4, C], E_PAD, tl.int32)
-    j = 0
-    while j < K:                                  # each quarter's pick j lands in column 4 j + quarter
-        hq = tl.max(tl.where(alive, hi, INT_MIN), axis=1)                                  # [4]
-        eq = tl.min(tl.where(alive & (hi == hq[:, None]), e2, E_PAD), axis=1)
-        here = col[None, :] == j * 4 + q[:, None]
-        c_hi = tl.where(here, hq[:, None], c_hi)
-        c_e = tl.where(here, eq[:, None], c_e)
-        alive = alive & (e2 != eq[:, None])
-        j += 1
-    ck_hi = tl.max(c_hi, axis=0)                  # [C]: the one step across quarters
-    ck_e = tl.min(c_e, axis=0)
-    kk = tl.arange(0, K_PAD)
-    ids = tl.zeros([K_PAD], dtype=tl.int32)
-    live = col < 4 * K
-    j = 0
-    while j < K:
-        hb = tl.max(tl.where(live, ck_hi, INT_MIN), axis=0)
-        eb = tl.min(tl.where(live & (ck_hi == hb), ck_e, E_PAD), axis=0)
-        ids = tl.where(kk == j, eb, ids)
-        live = live & (ck_e != eb)
         j += 1
     return ids
 

@@ -215,7 +215,8 @@ def l2_prefetch_rows(W, n0, N, K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def l2_prefetch_experts(W, ids_row, n, E, n0, N, K: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
+def l2_prefetch_experts(W, ids_row, n, E, n0, N, K: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+                        LAST: tl.constexpr = False):
     """l2_prefetch_rows of rows n0 .. n0 + BLOCK_N - 1 of the experts ids_row[0 .. n - 1] (n <= G) of the packed
     bank W [E, N, K]. Every id in one gather, so one L2 round trip: with a load per expert, each expert's
     prefetches waited for its id and the next id's load issued behind them (G dependent round trips, ~0.7 us
@@ -232,7 +233,7 @@ def l2_prefetch_experts(W, ids_row, n, E, n0, N, K: tl.constexpr, BLOCK_N: tl.co
             e = tl.minimum(tl.maximum(e, 0), E - 1).to(tl.int64)
             offs_l = tl.arange(0, 4) * EPL
             ptrs = W + ((e * N + rows_n) * K)[:, None] + offs_l[None, :]
-            prefetch_l2(ptrs, ((q < n) & (rows_n < N))[:, None] & (offs_l[None, :] < K))
+            prefetch_l2(ptrs, ((q < n) & (rows_n < N))[:, None] & (offs_l[None, :] < K), LAST)
 
 
 @triton.jit(noinline=True)

@@ -75,6 +75,15 @@ if ROUTER_CK not in (32, 64):
 # before its a wait, so the K steps after the wait read L2, not HBM (4.7 MB in all, while the KDA / o_proj chain
 # runs, which streams little)
 ROUTER_PF: tl.constexpr = tl.constexpr(os.environ.get("GLM53_ROUTER_PF", "") == "1")
+# GLM53_DOWN_PF (A/B timings): 1 = moe_down moves its routed down-bank tiles toward L2 between its sel and h waits;
+# 0 = it does not (the burst lands at the expert stage's tail, where the xe -> moe_down hop is ~3.9 us against
+# ~1-1.5 elsewhere); last = it does, with the evict_last priority (the expert stage's gate|up stream, at normal
+# priority, may otherwise evict the tiles before moe_down reads them)
+_DOWN_PF = os.environ.get("GLM53_DOWN_PF", "1")
+if _DOWN_PF not in ("0", "1", "last"):
+    raise ValueError(f"GLM53_DOWN_PF={_DOWN_PF!r} must be 0, 1 or last")
+DOWN_L2_PF: tl.constexpr = tl.constexpr(_DOWN_PF != "0")
+DOWN_PF_LAST: tl.constexpr = tl.constexpr(_DOWN_PF == "last")
 ROUTER_PF_LINES = tl.constexpr(8)   # 128-byte lines a row: the router's fp32 K slice at 16 K ranges of H 4096
 
 
@@ -491,14 +500,15 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
     sb, sw, ss = sig_words(scratch, meta, B_DP)                         # KG > 1: the group plane's signal
     ok, rdy = waitb(scratch, meta, B_SEL, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
-        j = 0
-        while j < a1:
-            rr = r0
-            while rr < r1:
-                l2_prefetch_experts(w_de, ids + rr * KE + a3 * PG, tl.minimum(KE - a3 * PG, PG), E, (a0 + j) * BLOCK_N,
-                                    H, I_E, BLOCK_N, PG)
-                rr += 1
-            j += 1
+        if DOWN_L2_PF:
+            j = 0
+            while j < a1:
+                rr = r0
+                while rr < r1:
+                    l2_prefetch_experts(w_de, ids + rr * KE + a3 * PG, tl.minimum(KE - a3 * PG, PG), E,
+                                        (a0 + j) * BLOCK_N, H, I_E, BLOCK_N, PG, DOWN_PF_LAST)
+                    rr += 1
+                j += 1
         if (KG == 1) and (not NEXTN):   # with hc_post's coefficients, as down_task
             ok, rdy = waitb2(scratch, meta, B_CF2, B_H, rdy, pid, tag, hdr, timeout_ns)
             if (ok != 0) & (fold != 0):
