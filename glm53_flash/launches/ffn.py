@@ -19,12 +19,11 @@ import os
 import triton
 import triton.language as tl
 
-from sync.asm import in_interpreter
 from sync.device import const_word, signal_box, trace_mark, wait_box, wait_box2
 
 from ..kernels.gemv import gemv_store, gemv_stream
 from ..kernels.mhc import hc_partial_finish, hc_partial_prefetch, hc_post_partial, hc_post_tile
-from .tail import _l2_prefetch, prefetch_l2
+from .tail import _l2_prefetch
 from .mixer_kda import SLOT_W, coef_row, embed_gather, gate_row, peer_publish, xchg_publish, xchg_sum
 
 # ---------------------------------------------------------------------------- meta layout
@@ -212,28 +211,6 @@ def l2_prefetch_rows(W, n0, N, K: tl.constexpr, BLOCK_N: tl.constexpr):
     EPL: tl.constexpr = 1024 // W.dtype.element_ty.primitive_bitwidth      # elements per 128-byte line
     if L2_PREFETCH:
         _l2_prefetch(W, n0, N, K, BLOCK_N, 4, EPL)
-
-
-@triton.jit
-def l2_prefetch_experts(W, ids_row, n, E, n0, N, K: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
-                        LAST: tl.constexpr = False):
-    """l2_prefetch_rows of rows n0 .. n0 + BLOCK_N - 1 of the experts ids_row[0 .. n - 1] (n <= G) of the packed
-    bank W [E, N, K]. Every id in one gather, so one L2 round trip: with a load per expert, each expert's
-    prefetches waited for its id and the next id's load issued behind them (G dependent round trips, ~0.7 us
-    each, before moe_down's second wait)."""
-    EPL: tl.constexpr = 1024 // W.dtype.element_ty.primitive_bitwidth      # elements per 128-byte line
-    GP: tl.constexpr = 1 if G <= 1 else (2 if G <= 2 else (4 if G <= 4 else (8 if G <= 8 else 16)))
-    tl.static_assert(G <= 16)
-    if L2_PREFETCH:
-        if not in_interpreter():
-            i = tl.arange(0, GP * BLOCK_N)
-            q = i // BLOCK_N
-            rows_n = n0 + i % BLOCK_N
-            e = tl.load(ids_row + q, mask=q < n, other=0, cache_modifier=".cg")
-            e = tl.minimum(tl.maximum(e, 0), E - 1).to(tl.int64)
-            offs_l = tl.arange(0, 4) * EPL
-            ptrs = W + ((e * N + rows_n) * K)[:, None] + offs_l[None, :]
-            prefetch_l2(ptrs, ((q < n) & (rows_n < N))[:, None] & (offs_l[None, :] < K), LAST)
 
 
 @triton.jit(noinline=True)

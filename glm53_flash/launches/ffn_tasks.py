@@ -39,7 +39,7 @@ from ..kernels.moe import (ROUTER_CK as MOE_ROUTER_CK, moe_down_group, router_fi
                            router_store_partial, router_store_record, router_topk)
 from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACT_CTA, M_ACT_FOLD, M_ACTE, M_COEF2, M_DPART,
                   M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles,
-                  act_at, add_cols, f32_at, gemv_tile, i32_at, l2_prefetch_experts, l2_prefetch_rows, post_cols,
+                  act_at, add_cols, f32_at, gemv_tile, i32_at, l2_prefetch_rows, post_cols,
                   sig_words, signal_at, waitb, waitb2, warm_before)
 from .mixer_kda import xchg_publish
 from .tail import prefetch_l2
@@ -75,15 +75,6 @@ if ROUTER_CK not in (32, 64):
 # before its a wait, so the K steps after the wait read L2, not HBM (4.7 MB in all, while the KDA / o_proj chain
 # runs, which streams little)
 ROUTER_PF: tl.constexpr = tl.constexpr(os.environ.get("GLM53_ROUTER_PF", "") == "1")
-# GLM53_DOWN_PF (A/B timings): 1 = moe_down moves its routed down-bank tiles toward L2 between its sel and h waits;
-# 0 = it does not (the burst lands at the expert stage's tail, where the xe -> moe_down hop is ~3.9 us against
-# ~1-1.5 elsewhere); last = it does, with the evict_last priority (the expert stage's gate|up stream, at normal
-# priority, may otherwise evict the tiles before moe_down reads them)
-_DOWN_PF = os.environ.get("GLM53_DOWN_PF", "1")
-if _DOWN_PF not in ("0", "1", "last"):
-    raise ValueError(f"GLM53_DOWN_PF={_DOWN_PF!r} must be 0, 1 or last")
-DOWN_L2_PF: tl.constexpr = tl.constexpr(_DOWN_PF != "0")
-DOWN_PF_LAST: tl.constexpr = tl.constexpr(_DOWN_PF == "last")
 ROUTER_PF_LINES = tl.constexpr(8)   # 128-byte lines a row: the router's fp32 K slice at 16 K ranges of H 4096
 
 
@@ -486,8 +477,9 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
     | count (0: every row; launches/kda.py row groups; a row's work and bits do not depend on its group).
     KG == 1: TP 1 y2, then _post_ffn (producer a2; every row: never split); TP > 1 xd. KG > 1: partial planes,
     producer a2 of dp. -> (ok, rdy).
-    The routed experts' weights depend only on the record (sel), complete a stage and more before h: the task
-    waits on sel first and moves its group's routed tiles toward L2 before it waits on h.
+    No routed down tile moves toward L2 ahead (after a sel wait, as it did): the expert stage's gate|up stream
+    pushed most of them out again, and the 16 MB burst beside it cost kda TP8 1.9 us and sparse 1.2 (H100,
+    bench/RESULTS.md sixteenth session; with evict_last, +0.4 and +2.3).
     act_fold (meta word; launches/kda.py, small widths): there is no act stage for the routed experts; h holds
     the shared expert's activations only, and the task waits on xe and joins its group's routed activations
     per row itself (_group_act: the same code and order, so the same bits)."""
@@ -495,28 +487,16 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
     r0 = a4 >> 8
     r1 = tl.where((a4 & 255) == 0, rows, tl.minimum(r0 + (a4 & 255), rows))
     l2_prefetch_rows(W_d, a0 * BLOCK_N, H, I, BLOCK_N)                  # shared expert's weights
-    ids = i32_at(scratch, meta, M_IDS)
     fold = const_word(meta + M_ACT_FOLD)
     sb, sw, ss = sig_words(scratch, meta, B_DP)                         # KG > 1: the group plane's signal
-    ok, rdy = waitb(scratch, meta, B_SEL, rdy, pid, tag, hdr, timeout_ns)
-    if ok != 0:
-        if DOWN_L2_PF:
-            j = 0
-            while j < a1:
-                rr = r0
-                while rr < r1:
-                    l2_prefetch_experts(w_de, ids + rr * KE + a3 * PG, tl.minimum(KE - a3 * PG, PG), E,
-                                        (a0 + j) * BLOCK_N, H, I_E, BLOCK_N, PG, DOWN_PF_LAST)
-                    rr += 1
-                j += 1
-        if (KG == 1) and (not NEXTN):   # with hc_post's coefficients, as down_task
-            ok, rdy = waitb2(scratch, meta, B_CF2, B_H, rdy, pid, tag, hdr, timeout_ns)
-            if (ok != 0) & (fold != 0):
-                ok, rdy = waitb(scratch, meta, B_XE, rdy, pid, tag, hdr, timeout_ns)
-        elif fold != 0:                 # h and the routed partials in one spin (a second wait: ~1.5 us)
-            ok, rdy = waitb2(scratch, meta, B_H, B_XE, rdy, pid, tag, hdr, timeout_ns)
-        else:
-            ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
+    if (KG == 1) and (not NEXTN):       # with hc_post's coefficients, as down_task
+        ok, rdy = waitb2(scratch, meta, B_CF2, B_H, rdy, pid, tag, hdr, timeout_ns)
+        if (ok != 0) & (fold != 0):
+            ok, rdy = waitb(scratch, meta, B_XE, rdy, pid, tag, hdr, timeout_ns)
+    elif fold != 0:                     # h and the routed partials in one spin (a second wait: ~1.5 us)
+        ok, rdy = waitb2(scratch, meta, B_H, B_XE, rdy, pid, tag, hdr, timeout_ns)
+    else:
+        ok, rdy = waitb(scratch, meta, B_H, rdy, pid, tag, hdr, timeout_ns)
     j = 0
     while (j < a1) & (ok != 0):
         n0 = (a0 + j) * BLOCK_N

@@ -36,8 +36,6 @@ us (77%; measured with a scale bug since fixed), TP8 bf16 67-69 us (52%; torch 7
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -68,9 +66,6 @@ DEFAULT_CTAS_PER_SM = 4              # grid=None cap on the GPU (see _fit_grid)
 DEFAULT_MAXNREG = 120                # ptxas cap, widths <= 4 (-1 = this default; None = ptxas's choice): 4 CTAs
                                      # per SM up to 128 (65536 / (4 CTAs x 4 warps x 32)); 112 spilled 40 B once
                                      # the GEMV held the rows' RMS partials
-# GLM53_PF_LAST=1 (A/B timings): the tasks' first-tile L2 prefetches before their waits (_l2_prefetch: the tail's,
-# ffn.l2_prefetch_rows) with the evict_last priority, so the streams running meanwhile cannot push them out
-PF_LAST: tl.constexpr = tl.constexpr(os.environ.get("GLM53_PF_LAST", "") == "1")
 
 
 @triton.jit
@@ -117,22 +112,15 @@ def _l2_prefetch(W, n0, n1, H: tl.constexpr, BLOCK_N: tl.constexpr, LINES: tl.co
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_l = tl.arange(0, LINES) * EPL
         ptrs = W + offs_n[:, None].to(tl.int64) * H + offs_l[None, :]
-        prefetch_l2(ptrs, (offs_n[:, None] < n1) & (offs_l[None, :] < H), PF_LAST)
+        prefetch_l2(ptrs, (offs_n[:, None] < n1) & (offs_l[None, :] < H))
 
 
 @triton.jit
-def prefetch_l2(ptrs, m, LAST: tl.constexpr = False):
-    """prefetch.global.L2 [ptrs] where m (GPU only: the interpreter has no asm). LAST: with the evict_last
-    priority (L2::evict_last), so lines streamed meanwhile at normal priority (the pipelined GEMVs' cp.async
-    copies carry no hint) are evicted before these."""
-    if LAST:
-        tl.inline_asm_elementwise("{\n.reg .pred %pm;\nsetp.ne.b32 %pm, $2, 0;\n"
-                                  "@%pm prefetch.global.L2::evict_last [$1];\nmov.u32 $0, 0;\n}", "=r,l,r",
-                                  [ptrs, m.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("{\n.reg .pred %pm;\nsetp.ne.b32 %pm, $2, 0;\n@%pm prefetch.global.L2 [$1];\n"
-                                  "mov.u32 $0, 0;\n}", "=r,l,r", [ptrs, m.to(tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+def prefetch_l2(ptrs, m):
+    """prefetch.global.L2 [ptrs] where m (GPU only: the interpreter has no asm)."""
+    tl.inline_asm_elementwise("{\n.reg .pred %pm;\nsetp.ne.b32 %pm, $2, 0;\n@%pm prefetch.global.L2 [$1];\n"
+                              "mov.u32 $0, 0;\n}", "=r,l,r", [ptrs, m.to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 # The families run in one while loop; inlined, the compiler hoists each family's loop-invariant index
