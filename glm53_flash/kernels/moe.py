@@ -160,14 +160,9 @@ def _order_key(v, e):
     """int64 keys whose signed order is (v descending, e ascending): the float's bits made monotonic in
     the high word (negative floats flipped), 0xFFFFFFFF - e in the low word. One max over keys then
     gives the best value and, among equals, the lowest index."""
-    return (_monotonic_bits(v).to(tl.int64) << 32) | (LOW32 - e.to(tl.int64))
-
-
-@triton.jit
-def _monotonic_bits(v):
-    """fp32 -> int32 whose signed order is the floats' order (negative floats' magnitude bits flipped)."""
     b = v.to(tl.int32, bitcast=True)
-    return b ^ ((b >> 31) & 0x7FFFFFFF)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return (b.to(tl.int64) << 32) | (LOW32 - e.to(tl.int64))
 
 
 @triton.jit

@@ -483,7 +483,6 @@ def moe_down_task(W_d, S_d, w_de, s_de, X_out, xd, scratch, meta, rows, width, t
     act_fold (meta word; launches/kda.py, small widths): there is no act stage for the routed experts; h holds
     the shared expert's activations only, and the task waits on xe and joins its group's routed activations
     per row itself (_group_act: the same code and order, so the same bits)."""
-    PG: tl.constexpr = (KE + 1) // KG
     r0 = a4 >> 8
     r1 = tl.where((a4 & 255) == 0, rows, tl.minimum(r0 + (a4 & 255), rows))
     l2_prefetch_rows(W_d, a0 * BLOCK_N, H, I, BLOCK_N)                  # shared expert's weights
