@@ -12,10 +12,26 @@ Rules that every helper here follows (research/triton.md §0-§2):
 - None of these run under TRITON_INTERPRET=1 (the interpreter raises on inline asm); callers branch on
   `in_interpreter()` and use `tl.atomic_*` there.
 """
+import os
+
 import triton
 import triton.language as tl
 
-# The polls' loads as they appear in the PTX (the tests look for them). Relaxed, with one fence.acq_rel after the
+# The two halves of a hand-off's ordering (PTX ISA 8.6+, sm_90; Triton 3.6 emits .version 8.7). fence.acq_rel.gpu is
+# MEMBAR.ALL.GPU + CCTL.IVALL in the sm_90 SASS; fence.release.gpu is the MEMBAR alone and fence.acquire.gpu the
+# CCTL.IVALL alone (offline, the bundled ptxas 12.8). A consumer after its relaxed polls needs only the acquire half
+# (later loads see what the producers released; C++'s atomic_thread_fence(acquire) maps to it), a producer before its
+# box words only the release half (cumulative: the CTA barrier before it brings the other warps' stores in). So a
+# wait no longer waits for its own warp's outstanding memory operations (its L2 prefetches, issued just before), and
+# a signal no longer empties its SM's L1 (the co-resident CTA's lines too). GLM53_SPLIT_FENCES=0: acq_rel on both
+# sides (the A/B; read at import, a compile-time choice).
+SPLIT_FENCES = os.environ.get("GLM53_SPLIT_FENCES", "1") != "0"
+FENCE_ACQUIRE = "fence.acquire.gpu;" if SPLIT_FENCES else "fence.acq_rel.gpu;"
+FENCE_RELEASE = "fence.release.gpu;" if SPLIT_FENCES else "fence.acq_rel.gpu;"
+_FENCE_ACQUIRE_PTX: tl.constexpr = tl.constexpr(FENCE_ACQUIRE + "\nmov.u32 $0, 0;")
+_FENCE_RELEASE_PTX: tl.constexpr = tl.constexpr(FENCE_RELEASE + "\nmov.u32 $0, 0;")
+
+# The polls' loads as they appear in the PTX (the tests look for them). Relaxed, with one acquire fence after the
 # spin: acquire polls (ld.acquire: LDG.STRONG + CCTL.IVALL per load, no MEMBAR) measured 9-10 us slower per layer
 # launch (H200, kda / dense TP8; docs/DECISIONS.md, "acquire polls"): every poll cycle then empties the SM's L1.
 SPIN_LINE_LOAD = "ld.relaxed.gpu.global.v4.u32"     # a box spin's line loads
@@ -72,7 +88,7 @@ def ld_relaxed_u32(ptr):
 def ld_const_u32(ptr):
     """A 32-bit word that nothing writes while the launch runs (meta words, the task table), through the
     non-coherent read-only path (ld.global.nc). ptxas does not order such loads after fences (a wait's
-    fence.acq_rel is MEMBAR + CCTL.IVALL, which empties L1 for coherent loads), so it may issue them early;
+    acquire fence is CCTL.IVALL, which empties L1 for coherent loads), so it may issue them early;
     pure, so the compiler may also merge repeats. Not for anything another CTA or an earlier kernel of the
     launch's stream may still be writing."""
     return tl.inline_asm_elementwise("ld.global.nc.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True,
@@ -113,9 +129,24 @@ def st_relaxed_u32(ptr, val, mask):
 
 @triton.jit
 def fence_acq_rel():
-    """fence.acq_rel.gpu in every calling thread: release for its earlier stores, acquire for later loads."""
+    """fence.acq_rel.gpu in every calling thread: release for its earlier stores, acquire for later loads
+    (scripts/bench_hop.py's old variants; the launches use the halves below)."""
     return tl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                                      is_pure=False, pack=1)
+
+
+@triton.jit
+def fence_acquire():
+    """The acquire half (FENCE_ACQUIRE) in every calling thread: after relaxed loads that saw a release, later
+    loads see what it released."""
+    return tl.inline_asm_elementwise(_FENCE_ACQUIRE_PTX, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def fence_release():
+    """The release half (FENCE_RELEASE) in every calling thread: its earlier stores (and those a CTA barrier
+    ordered before it) become visible before its later stores."""
+    return tl.inline_asm_elementwise(_FENCE_RELEASE_PTX, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -179,7 +210,7 @@ def _vote_end_ptx(fence: bool = True, timer: str = "%globaltimer") -> list[str]:
             "vote.sync.any.pred %vp4, %vp4, 0xffffffff;",
             "@!%vp4 bra VOTE_TOP;",
             "mov.u32 $0, 0;",
-            "VOTE_FENCE:"] + (["fence.acq_rel.gpu;"] if fence else []) + [
+            "VOTE_FENCE:"] + ([FENCE_ACQUIRE] if fence else []) + [
             "VOTE_OUT:",
             "}"]
 
@@ -360,7 +391,7 @@ def spin2_lines_warp0(block1, n_prod1, block2, n_prod2, tag, abort_ptr, budget_n
 def spin_lines_warp0(block, n_prod, tag, abort_ptr, budget_ns, pin, PTX: tl.constexpr = SPIN_WARP0_PTX):
     """Warp 0: poll lines lane, lane + 32, ... of a box block (128-byte aligned, n_prod words wanted) until
     each carries `tag` -> 1, or until the abort word carries `tag` or `budget_ns` passed -> 0, then
-    fence.acq_rel; the other warps get 1 at once. The caller joins the outcomes (a reduction, whose CTA
+    the acquire fence; the other warps get 1 at once. The caller joins the outcomes (a reduction, whose CTA
     barrier holds the other warps until warp 0 is done). No CTA barrier inside. `pin` (int32) is not
     read: passing a loaded value keeps its load before the spin (a load the compiler sank past the spin
     cost a round trip after the fence, ~0.24 us per hop in scripts/bench_hop.py). PTX: another
@@ -371,7 +402,7 @@ def spin_lines_warp0(block, n_prod, tag, abort_ptr, budget_ns, pin, PTX: tl.cons
 
 
 def _signal_warp0_ptx(fence: bool = True) -> str:
-    # Warp 0: fence.acq_rel (release for every store the CTA made before the caller's barrier), then lane l
+    # Warp 0: the release fence (for every store the CTA made before the caller's barrier), then lane l
     # stores the tag into word `producer` of consumer blocks l, l + 32, ... The other warps do nothing: one
     # warp fences instead of all four.
     # $0 dummy | $1 box | $2 n_cons | $3 block_words | $4 producer | $5 tag
@@ -379,7 +410,7 @@ def _signal_warp0_ptx(fence: bool = True) -> str:
         "{", ".reg .pred %gp<2>;", ".reg .b32 %gtid, %gc;", ".reg .b64 %ga, %gs;",
         "mov.u32 $0, 0;", "mov.u32 %gtid, %tid.x;",
         "setp.ge.u32 %gp0, %gtid, 32;",
-        "@%gp0 bra SIG_OUT;"] + (["fence.acq_rel.gpu;"] if fence else []) + [   # fence=False: bench_hop only
+        "@%gp0 bra SIG_OUT;"] + ([FENCE_RELEASE] if fence else []) + [   # fence=False: bench_hop only
         "mov.u32 %gc, %gtid;",
         "SIG_TOP:",
         "setp.ge.s32 %gp1, %gc, $2;",

@@ -20,9 +20,9 @@ import triton
 import triton.language as tl
 
 from .asm import (SIGNAL_WARP0_PTX, SPIN2_CHUNKS_PTX, SPIN2_WARP0_PTX, SPIN_CHUNKS_PTX, SPIN_WARP0_PTX, clock64,
-                  cta_any, fence_acq_rel, globaltimer, grid_dep_launch, grid_dep_wait, in_interpreter, ld_const_u32,
-                  ld_relaxed_u32, ld_relaxed_u64, signal_warp0, smid, spin2_lines_warp0, spin_lines_warp0,
-                  st_relaxed_u32, st_relaxed_u64)
+                  cta_any, fence_acquire, fence_release, globaltimer, grid_dep_launch, grid_dep_wait, in_interpreter,
+                  ld_const_u32, ld_relaxed_u32, ld_relaxed_u64, signal_warp0, smid, spin2_lines_warp0,
+                  spin_lines_warp0, st_relaxed_u32, st_relaxed_u64)
 from .header import H_ABORT, H_DONE, H_EPOCH, H_ERR, H_LAST_TAG, H_WAIT_CLK
 
 TAG_MASK: tl.constexpr = tl.constexpr(0xFFFFFFFF)
@@ -145,7 +145,7 @@ def release_cta():
     CTA barrier (other warps' stores happen-before), then a release fence in every thread."""
     tl.debug_barrier()
     if not in_interpreter():
-        fence_acq_rel()
+        fence_release()
 
 
 @triton.jit
@@ -243,7 +243,7 @@ def await_pairs(ptr, mask, tag, hdr, site, cta, budget_ns):
             stop = (ab == tag) | ((globaltimer() - t0) > budget_ns)
             # max over (pending | stop << 1): 1 <=> no thread wants to stop and some word is pending
             go = tl.max(pend.to(tl.int32) | (stop.to(tl.int32) * 2), axis=0)
-        fence_acq_rel()             # relaxed polls + one fence = acquire for whatever the caller reads next
+        fence_acquire()             # relaxed polls + one fence = acquire for whatever the caller reads next
     npend = tl.sum(pend.to(tl.int32), axis=0)
     ok = (npend == 0).to(tl.int32)
     if npend != 0:

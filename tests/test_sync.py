@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from sync import HandoffTimeout, SiteRegistry, read_record, timeout_ns
-from sync.asm import PAIR_LOAD, SPIN_LINE_LOAD
+from sync.asm import FENCE_ACQUIRE, PAIR_LOAD, SPIN_LINE_LOAD
 from sync.device import staggered_budget
 from sync.selftest import SITES, SelfTest
 
@@ -216,6 +216,33 @@ def test_sm90_ptx_chunked_spin():
     assert two.count(SPIN_LINE_LOAD) == CHUNKS_PER_CYCLE and "$7" in two and "$8" in two
 
 
+_COMPILE_SASS = _COMPILE.replace('print(json.dumps({"ptx": ck.asm["ptx"]}))', """
+import os, subprocess, tempfile
+nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+    f.write(ck.asm["cubin"])
+sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+print(json.dumps({"ptx": json.dumps({"ptx": ck.asm["ptx"], "sass": sass})}))
+""")
+
+
+def test_sm90_split_fences():
+    """A wait's fence is the acquire half and a signal's the release half (sync.asm SPLIT_FENCES). In the sm_90 SASS
+    of the self-test kernel (two box waits, a box signal, tagged pairs), against the same kernel with
+    GLM53_SPLIT_FENCES=0 (fence.acq_rel on both sides: MEMBAR + CCTL.IVALL each): one MEMBAR fewer for every acquire
+    fence (no wait waits for its warp's earlier memory operations) and one CCTL.IVALL fewer for every release fence
+    (no signal empties L1). The atomics' own acquire / release (launch_begin / launch_end) are the same in both."""
+    split = json.loads(sm90_ptx(_COMPILE_SASS))
+    both = json.loads(sm90_ptx(_COMPILE_SASS, GLM53_SPLIT_FENCES="0"))
+    assert "fence.acq_rel" not in split["ptx"]
+    assert "fence.acquire" not in both["ptx"] and "fence.release" not in both["ptx"]
+    n_acq, n_rel = split["ptx"].count("fence.acquire.gpu;"), split["ptx"].count("fence.release.gpu;")
+    assert n_acq >= 3 and n_rel >= 1                                     # two box waits + the pair poll; a signal
+    assert both["ptx"].count("fence.acq_rel.gpu;") == n_acq + n_rel
+    assert both["sass"].count("MEMBAR") - split["sass"].count("MEMBAR") == n_acq
+    assert both["sass"].count("CCTL.IVALL") - split["sass"].count("CCTL.IVALL") == n_rel
+
+
 @triton.jit
 def budget_kernel(out, budget_ns, site):
     tl.store(out + tl.program_id(0), staggered_budget(budget_ns, site + tl.program_id(0)))
@@ -268,5 +295,5 @@ def test_sm90_bench_hop_variants_compile():
     # the measurement-only variants: 4:2 has no fence on either side, 5:1 times its budget on %clock64, 6:3 hands
     # off through 8-byte tagged pairs (relaxed stores, relaxed polls, the consumer's one fence)
     assert "fence" not in ptx["042"] and ptx["042"].count(SPIN_LINE_LOAD) >= 8
-    assert "%clock64" in ptx["05"] and "fence.acq_rel.gpu" in ptx["05"]
+    assert "%clock64" in ptx["05"] and FENCE_ACQUIRE in ptx["05"]
     assert PAIR_LOAD in ptx["063"] and "st.relaxed.gpu.global.b64" in ptx["063"] and SPIN_LINE_LOAD not in ptx["063"]

@@ -12,7 +12,7 @@ reader needs no flag: it re-reads until every word it needs carries the current 
 import triton
 import triton.language as tl
 
-from sync.asm import fence_acq_rel, globaltimer, in_interpreter, ld_relaxed_u32
+from sync.asm import fence_acquire, globaltimer, in_interpreter, ld_relaxed_u32
 from sync.device import TAG_MASK, _load_pairs, publish_pairs, record_timeout
 from sync.header import H_ABORT
 
@@ -69,7 +69,7 @@ def _await_two(pv, pi, mask, tag, hdr, site, cta, budget_ns):
             pend = mask & (((wv & TAG_MASK).to(tl.int32) != tag) | ((wi & TAG_MASK).to(tl.int32) != tag))
             stop = (ld_relaxed_u32(hdr + H_ABORT) == tag) | ((globaltimer() - t0) > budget_ns)
             go = tl.max(pend.to(tl.int32) | (stop.to(tl.int32) * 2), axis=0)
-        fence_acq_rel()
+        fence_acquire()
     npend = tl.sum(pend.to(tl.int32), axis=0)
     ok = (npend == 0).to(tl.int32)
     if npend != 0:
