@@ -42,6 +42,8 @@ _SPIN = os.environ.get("GLM53_SPIN", "chunks")
 if _SPIN not in ("lines", "chunks"):
     raise ValueError(f"GLM53_SPIN={_SPIN!r} must be lines or chunks")
 SPIN_CHUNKS: tl.constexpr = tl.constexpr(_SPIN == "chunks")
+# launch_begin's two header words in one round trip (1, launch_begin LOADS) or two atomics (0: the A/B); read at import
+BEGIN_LOADS: tl.constexpr = tl.constexpr(os.environ.get("GLM53_BEGIN_LOADS", "1") != "0")
 
 
 # The switch is read in the spins' bodies, never as a default argument: Triton's cache key hashes the globals a
@@ -81,7 +83,7 @@ def const_word(ptr):
 
 # ---------------------------------------------------------------------- launch begin / end
 @triton.jit
-def launch_begin(hdr, tag_stride, tag_offset):
+def launch_begin(hdr, tag_stride, tag_offset, LOADS: tl.constexpr = True):
     """-> (tag, ok): this launch's tag from the device epoch; ok=0 if the launch already aborted
     (stage-by-stage CPU mode: a later stage of a failed launch does nothing).
 
@@ -91,16 +93,31 @@ def launch_begin(hdr, tag_stride, tag_offset):
     for the previous kernel to complete: its header, inputs and scratch are then final and visible. It
     lets the next kernel start here, or with GLM53_PDL_TRIGGER=end in launch_end, once its tasks are done
     (early, the next kernel's CTAs take the SMs' free slots while this one runs). Without PDL both
-    instructions return at once."""
+    instructions return at once.
+
+    LOADS (and GLM53_BEGIN_LOADS, default 1): the epoch and the abort word in one round trip, two relaxed loads
+    every thread issues together, where two atomics took one round trip each (thread 0's result broadcast
+    through shared memory behind a barrier, one after the other). The epoch needs no acquire: the previous
+    kernel of the stream is complete and its writes visible here (stream order, or griddepcontrol.wait above),
+    and nothing in this launch moves it before every CTA has read it. The tail passes LOADS=False: under its
+    120-register cap the two words' registers made ptxas serialise its xn spin and spill (offline sm_90)."""
     if not in_interpreter():
         if not PDL_TRIGGER_END:
             grid_dep_launch()
         grid_dep_wait()
-    e = tl.atomic_add(hdr + H_EPOCH, 0, sem="acquire", scope="gpu")
+    if in_interpreter() or not (LOADS and BEGIN_LOADS):
+        e = tl.atomic_add(hdr + H_EPOCH, 0, sem="acquire", scope="gpu")
+        ab_first = 0
+    else:
+        e = ld_relaxed_u32(hdr + H_EPOCH)
+        ab_first = ld_relaxed_u32(hdr + H_ABORT)
     tag = e * tag_stride + tag_offset + 1
     if tl.program_id(0) == 0:
         tl.store(hdr + H_LAST_TAG, tag)
-    ab = tl.atomic_add(hdr + H_ABORT, 0, sem="relaxed", scope="gpu")
+    if in_interpreter() or not (LOADS and BEGIN_LOADS):
+        ab = tl.atomic_add(hdr + H_ABORT, 0, sem="relaxed", scope="gpu")
+    else:
+        ab = ab_first
     return tag, (ab != tag).to(tl.int32)
 
 

@@ -307,12 +307,12 @@ _SELECT = ["moe", "router_select_kernel",
 
 # (variant, register budget at 4 warps, 64-wide tiles, BLOCK_K 128); measured with triton 3.6's ptxas:
 # gate|up bf16 146 (PF_K 64 + 2 stages: 80), FP8 134; down 72 / 72; expert gate|up 144 / 128;
-# MoE down 146 (2 stages: 114) / 120; router partial 64; router select 48
+# MoE down 146 (2 stages: 114) / 120; router partial 64; router select 88 (its 16 planes in flight: 64 registers)
 BUDGETS = [
     (_gateup(_B), 160), (_gateup(_B, pf_k=64, stages=2), 96), (_gateup(_Q), 160), (_down(_B), 96), (_down(_Q), 96),
     (_expert(_B), 160), (_expert(_Q), 160), (_moe_down(_B), 160), (_moe_down(_B, stages=2), 128),
-    (_moe_down(_Q), 160), (_ROUTER, 80), (_SELECT, 64), (_expert(_B, select=True), 160),
-    (_moe_down(_B, select=True), 160),
+    (_moe_down(_Q), 160), (_ROUTER, 80), (_SELECT, 96), (_expert(_B, select=True), 160),
+    (_moe_down(_B, select=True), 176),     # its router_select's 16 planes in flight beside the down prefetch: 162
 ]
 
 

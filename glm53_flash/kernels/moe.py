@@ -175,31 +175,52 @@ def router_select(part, stride_p, n_parts, bias, E, scaling, K: tl.constexpr, E_
     ordered by descending choice score; weights = sigmoid scores of the chosen experts / (their sum +
     1e-20) (RENORM) * scaling. Partials join in part order 0, 1, ..., n_parts - 1.
 
-    Round trips: the planes are loaded 8 at a time (all 8 loads issued, then added in part order: a
-    masked plane adds +0.0, which changes no bits), so 16 parts cost 2 dependent L2 round trips, not 16.
-    Each pick is ONE CTA-wide reduction (max of _order_key: value and lowest index together) instead of
-    three (max, argmin, gather); the weights are gathered once after the loop."""
+    Round trips: the bias and the planes are loaded together, 16 planes at a time (all loads issued, then the
+    planes added in part order: a masked plane adds +0.0, which changes no bits), so up to 16 parts cost one
+    dependent L2 round trip. Each pick is ONE CTA-wide reduction (max of _order_key: value and lowest index
+    together) instead of three (max, argmin, gather); the weights are gathered once after the loop."""
+    b = router_bias(bias, E, E_PAD)
     logit = router_logits(part, stride_p, n_parts, E, E_PAD)
-    return router_topk(logit, bias, E, scaling, K, E_PAD, K_PAD, RENORM)
+    return router_topk(logit, b, E, scaling, K, E_PAD, K_PAD, RENORM)
+
+
+@triton.jit
+def router_bias(bias, E, E_PAD: tl.constexpr):
+    """The routing bias [E_PAD] fp32 (0 past E): load it before router_logits, so its round trip is the planes'."""
+    e = tl.arange(0, E_PAD)
+    return tl.load(bias + e, mask=e < E, other=0.0)
+
+
+@triton.jit
+def _plane(part, p, stride_p, n_parts, e, m):
+    return tl.load(part + p * stride_p + e, mask=m & (p < n_parts), other=0.0, cache_modifier=".cg")
 
 
 @triton.jit
 def router_logits(part, stride_p, n_parts, E, E_PAD: tl.constexpr):
     """router_select's first half: one row's logits [E_PAD] fp32 (0 past E), its n_parts partial planes added in
-    part order."""
+    part order, 16 loads in flight (TP8's 16 K parts in one round trip; 8 took two, ~0.4 us on the route's path)."""
     e = tl.arange(0, E_PAD)
     m = e < E
     logit = tl.zeros([E_PAD], dtype=tl.float32)
     p = 0
     while p < n_parts:
-        v0 = tl.load(part + p * stride_p + e, mask=m, other=0.0, cache_modifier=".cg")
-        v1 = tl.load(part + (p + 1) * stride_p + e, mask=m & (p + 1 < n_parts), other=0.0, cache_modifier=".cg")
-        v2 = tl.load(part + (p + 2) * stride_p + e, mask=m & (p + 2 < n_parts), other=0.0, cache_modifier=".cg")
-        v3 = tl.load(part + (p + 3) * stride_p + e, mask=m & (p + 3 < n_parts), other=0.0, cache_modifier=".cg")
-        v4 = tl.load(part + (p + 4) * stride_p + e, mask=m & (p + 4 < n_parts), other=0.0, cache_modifier=".cg")
-        v5 = tl.load(part + (p + 5) * stride_p + e, mask=m & (p + 5 < n_parts), other=0.0, cache_modifier=".cg")
-        v6 = tl.load(part + (p + 6) * stride_p + e, mask=m & (p + 6 < n_parts), other=0.0, cache_modifier=".cg")
-        v7 = tl.load(part + (p + 7) * stride_p + e, mask=m & (p + 7 < n_parts), other=0.0, cache_modifier=".cg")
+        v0 = _plane(part, p, stride_p, n_parts, e, m)
+        v1 = _plane(part, p + 1, stride_p, n_parts, e, m)
+        v2 = _plane(part, p + 2, stride_p, n_parts, e, m)
+        v3 = _plane(part, p + 3, stride_p, n_parts, e, m)
+        v4 = _plane(part, p + 4, stride_p, n_parts, e, m)
+        v5 = _plane(part, p + 5, stride_p, n_parts, e, m)
+        v6 = _plane(part, p + 6, stride_p, n_parts, e, m)
+        v7 = _plane(part, p + 7, stride_p, n_parts, e, m)
+        v8 = _plane(part, p + 8, stride_p, n_parts, e, m)
+        v9 = _plane(part, p + 9, stride_p, n_parts, e, m)
+        v10 = _plane(part, p + 10, stride_p, n_parts, e, m)
+        v11 = _plane(part, p + 11, stride_p, n_parts, e, m)
+        v12 = _plane(part, p + 12, stride_p, n_parts, e, m)
+        v13 = _plane(part, p + 13, stride_p, n_parts, e, m)
+        v14 = _plane(part, p + 14, stride_p, n_parts, e, m)
+        v15 = _plane(part, p + 15, stride_p, n_parts, e, m)
         logit += v0                         # (0.0 + v0 can only turn -0.0 into +0.0: same sigmoid)
         logit += v1
         logit += v2
@@ -208,18 +229,26 @@ def router_logits(part, stride_p, n_parts, E, E_PAD: tl.constexpr):
         logit += v5
         logit += v6
         logit += v7
-        p += 8
+        logit += v8
+        logit += v9
+        logit += v10
+        logit += v11
+        logit += v12
+        logit += v13
+        logit += v14
+        logit += v15
+        p += 16
     return logit
 
 
 @triton.jit
-def router_topk(logit, bias, E, scaling, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+def router_topk(logit, b, E, scaling, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
                 RENORM: tl.constexpr):
-    """router_select's second half: (ids, weights) from the row's logits."""
+    """router_select's second half: (ids, weights) from the row's logits and its bias values b (router_bias)."""
     e = tl.arange(0, E_PAD)
     m = e < E
     s = tl.sigmoid(logit)                                                     # [E_PAD] fp32
-    choice = tl.where(m, s + tl.load(bias + e, mask=m, other=0.0), float("-inf"))
+    choice = tl.where(m, s + b, float("-inf"))
     kk = tl.arange(0, K_PAD)
     ids = _topk_loop(choice, e, K, K_PAD)
     # weights: s of each chosen expert, one 2-D gather (entries >= K stay 0)

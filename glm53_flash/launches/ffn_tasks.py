@@ -35,8 +35,8 @@ from sync.device import const_word, trace_mark
 
 from ..kernels.gemv import gemv_store, gemv_store_at, gemv_stream, plane_sum
 from ..kernels.mlp import swiglu_clamped
-from ..kernels.moe import (ROUTER_CK as MOE_ROUTER_CK, moe_down_group, router_finish, router_logits, router_prefetch,
-                           router_store_partial, router_store_record, router_topk)
+from ..kernels.moe import (ROUTER_CK as MOE_ROUTER_CK, moe_down_group, router_bias, router_finish, router_logits,
+                           router_prefetch, router_store_partial, router_store_record, router_topk)
 from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACT_CTA, M_ACT_FOLD, M_ACTE, M_COEF2, M_DPART,
                   M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles,
                   act_at, add_cols, f32_at, gemv_tile, i32_at, l2_prefetch_rows, post_cols,
@@ -304,9 +304,10 @@ def _route_record(part, nrpart, ids_out, w_out, bias_r, width, scaling, hdr, pid
                   E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr):
     """Join the row's logit partials (kernels/moe.py router_select, with marks between), pick its top-k, store
     its record (ids, weights). noinline: route_task runs it once before its wait too (ffn.WARM_CODE)."""
+    b = router_bias(bias_r, E, E_PAD)                                    # in the planes' round trip
     logit = router_logits(part, width * E, nrpart, E, E_PAD)
     trace_mark(hdr, pid, 1)                                              # the partials are joined
-    ids, w = router_topk(logit, bias_r, E, scaling, KE, E_PAD, K_PAD, RENORM)
+    ids, w = router_topk(logit, b, E, scaling, KE, E_PAD, K_PAD, RENORM)
     trace_mark(hdr, pid, 2)                                              # the top-k is picked
     router_store_record(ids_out, w_out, ids, w, KE, K_PAD)
     trace_mark(hdr, pid, 3)                                              # the record is stored

@@ -222,7 +222,7 @@ def tail_kernel(table, starts, X, norm_w, W, S, logits, tokens, best, scratch, x
     # previous kernel is done)
     i = tl.load(starts + pid)
     end = tl.load(starts + pid + 1)
-    tag, ok = launch_begin(hdr, tag_stride, tag_offset)
+    tag, ok = launch_begin(hdr, tag_stride, tag_offset, False)   # its register cap: see launch_begin
     xn_ready = 0                                                     # this CTA already passed site xn
     while (i < end) & (ok != 0):
         fam = tl.load(table + i * 8)
