@@ -42,7 +42,8 @@ _SPIN = os.environ.get("GLM53_SPIN", "chunks")
 if _SPIN not in ("lines", "chunks"):
     raise ValueError(f"GLM53_SPIN={_SPIN!r} must be lines or chunks")
 SPIN_CHUNKS: tl.constexpr = tl.constexpr(_SPIN == "chunks")
-# launch_begin's two header words in one round trip (1, launch_begin LOADS) or two atomics (0: the A/B); read at import
+# launch_begin's two header words in one round trip (1, launch_begin LOADS) or one after the other (0: the A/B); read
+# at import
 BEGIN_LOADS: tl.constexpr = tl.constexpr(os.environ.get("GLM53_BEGIN_LOADS", "1") != "0")
 
 
@@ -96,8 +97,9 @@ def launch_begin(hdr, tag_stride, tag_offset, LOADS: tl.constexpr = True):
     instructions return at once.
 
     LOADS (and GLM53_BEGIN_LOADS, default 1): the epoch and the abort word in one round trip, two relaxed loads
-    every thread issues together, where two atomics took one round trip each (thread 0's result broadcast
-    through shared memory behind a barrier, one after the other). The epoch needs no acquire: the previous
+    every thread issues together. The tl.atomic_add(p, 0) reads they replace are lowered by Triton to a load by
+    one thread (the epoch's ld.acquire: LDG.STRONG + CCTL.IVALL), broadcast through shared memory behind a
+    barrier, one word after the other. The epoch needs no acquire: the previous
     kernel of the stream is complete and its writes visible here (stream order, or griddepcontrol.wait above),
     and nothing in this launch moves it before every CTA has read it. The tail passes LOADS=False: under its
     120-register cap the two words' registers made ptxas serialise its xn spin and spill (offline sm_90)."""

@@ -243,6 +243,17 @@ def test_sm90_split_fences():
     assert both["sass"].count("CCTL.IVALL") - split["sass"].count("CCTL.IVALL") == n_rel
 
 
+def test_sm90_begin_loads():
+    """launch_begin reads the epoch and the abort word with two relaxed loads every thread issues together
+    (GLM53_BEGIN_LOADS, default 1); =0 keeps the tl.atomic_add(p, 0) reads, which Triton lowers to one thread's
+    ld.acquire (epoch) and ld.relaxed (abort), each broadcast through shared memory behind a barrier."""
+    loads = sm90_ptx(_COMPILE)
+    serial = sm90_ptx(_COMPILE, GLM53_BEGIN_LOADS="0")
+    assert "ld.global.gpu.acquire" in serial and "ld.global.gpu.acquire" not in loads
+    assert loads.count("ld.relaxed.gpu.global.u32") == serial.count("ld.relaxed.gpu.global.u32") + 2
+    assert loads.count("bar.sync") < serial.count("bar.sync")
+
+
 @triton.jit
 def budget_kernel(out, budget_ns, site):
     tl.store(out + tl.program_id(0), staggered_budget(budget_ns, site + tl.program_id(0)))
