@@ -18,7 +18,7 @@ import triton.language as tl
 from glm53_flash.config import preset
 from glm53_flash.fp8 import dequantize_fp8, quantize_fp8
 from glm53_flash.kernels.gemv import default_config
-from glm53_flash.kernels.moe import moe_down_group, moe_forward, pack_experts
+from glm53_flash.kernels.moe import moe_down_group, moe_forward, pack_experts, router_topk
 from glm53_flash.reference import ops
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,6 +111,37 @@ def test_moe_swiglu_clamp_binds(gen, one_thread):
     _check(cfg, x, p, 3e-5, act_dtype=torch.float32)
     free = ops.moe(x.float(), p["wr"], p["bias"], lambda e: p["exr"][e], p["shr"], _cfg("tiny", swiglu_limit=100.0))
     assert _rel(free, ops.moe(x.float(), p["wr"], p["bias"], lambda e: p["exr"][e], p["shr"], cfg)) > 0.1
+
+
+@triton.jit
+def _topk_kernel(logit, bias, ids_out, w_out, E, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    e = tl.arange(0, E_PAD)
+    kk = tl.arange(0, K_PAD)
+    ids, w = router_topk(tl.load(logit + e, mask=e < E, other=0.0), tl.load(bias + e, mask=e < E, other=0.0), E,
+                         1.0, K, E_PAD, K_PAD, False)
+    tl.store(ids_out + kk, ids)
+    tl.store(w_out + kk, w)
+
+
+@pytest.mark.parametrize("K", [1, 7, 8])
+def test_topk_pairs_pick_as_sequential_maxima(K, gen, one_thread):
+    """_topk_loop takes two keys per reduction (_top2): the ids are the reference's stable descending order of
+    sigmoid(logit) + bias (ties to the lower index, -inf last), for odd and even K, entries past K stay 0, and the
+    weights are the chosen experts' sigmoid scores. The choices are the kernel's own sigmoid: a tie the test makes
+    with equal logits is a tie in both."""
+    E, K_PAD = 288, 8
+    for trial in range(3):
+        lg = torch.randn(E, generator=gen)
+        lg[torch.randperm(E, generator=gen)[:40]] = 1.5                  # exact ties among many
+        b = torch.zeros(E)
+        b[torch.randperm(E, generator=gen)[:5]] = float("-inf") if trial == 2 else 0.0
+        ids, w = torch.full((K_PAD,), -7, dtype=torch.int32), torch.full((K_PAD,), float("nan"))
+        _topk_kernel[(1,)](lg, b, ids, w, E, K=K, E_PAD=512, K_PAD=K_PAD)
+        choice = torch.sigmoid(lg) + b
+        want = torch.sort(choice, descending=True, stable=True).indices[:K]
+        assert ids[:K].tolist() == want.tolist()
+        assert ids[K:].tolist() == [0] * (K_PAD - K)
+        assert torch.allclose(w[:K], torch.sigmoid(lg)[want], rtol=1e-6, atol=0)     # tl.sigmoid vs torch: ulps
 
 
 @pytest.mark.parametrize("name", ["tiny", "mid"])

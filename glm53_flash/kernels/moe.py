@@ -259,21 +259,31 @@ def router_topk(logit, b, E, scaling, K: tl.constexpr, E_PAD: tl.constexpr, K_PA
 
 
 @triton.jit
+def _top2(a1, a2, b1, b2):
+    """tl.reduce combine: the top two of two (best, second) key pairs (keys are distinct but for KEY_MIN)."""
+    return tl.maximum(a1, b1), tl.where(a1 > b1, tl.maximum(b1, a2), tl.maximum(a1, b2))
+
+
+@triton.jit
 def _topk_loop(choice, e, K: tl.constexpr, K_PAD: tl.constexpr):
-    """The top-K expert ids of `choice` in descending order, ties to the lower index (_order_key): K CTA-wide
-    picks over one tensor. A runtime loop, not static_range: one copy of the pick's code (1167 -> 674 SASS
-    instructions in route_task); cold code costs ~6 cycles an instruction, so the loop picked in 4.4 us where
-    the unrolled picks took 5.9."""
+    """The top-K expert ids of `choice` in descending order, ties to the lower index (_order_key): CTA-wide
+    reductions over one tensor, each taking the best TWO keys (a (best, second) pair per element, _top2), so K
+    picks are K / 2 dependent reduction chains (shuffle levels, shared-memory rounds, barriers) instead of K:
+    the route's warm top-k was 2.7 us of a 4.2 us task on the TP8 critical path (marks, seventeenth session). The
+    same ids by construction (the top two of a set are its first two maxima). A runtime loop, not static_range:
+    one copy of the reduction's code (cold code costs ~6 cycles an instruction)."""
     key = _order_key(choice, e)
     kk = tl.arange(0, K_PAD)
     ids = tl.zeros([K_PAD], dtype=tl.int32)
     j = 0
     while j < K:
-        best = tl.max(key, axis=0)
-        idx = (~best & LOW32).to(tl.int32)                                    # lowest index among equals
-        ids = tl.where(kk == j, idx, ids)
-        key = tl.where(e == idx, KEY_MIN, key)
-        j += 1
+        b1, b2 = tl.reduce((key, tl.full(key.shape, KEY_MIN, tl.int64)), 0, _top2)
+        i1 = (~b1 & LOW32).to(tl.int32)                                       # lowest index among equals
+        i2 = (~b2 & LOW32).to(tl.int32)
+        ids = tl.where(kk == j, i1, ids)
+        ids = tl.where((kk == j + 1) & (j + 1 < K), i2, ids)
+        key = tl.where((e == i1) | (e == i2), KEY_MIN, key)
+        j += 2
     return ids
 
 
