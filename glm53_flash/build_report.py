@@ -38,14 +38,15 @@ def k_splits(c: dict, fp8: bool, tp: int, k_o: int, wb_o: int) -> dict:
 
 def layer_consts(tp: int = 1, moe: bool = False, embed: bool = False, fp8: bool = False) -> dict:
     """Constexprs of kda_layer_kernel (embed / dense / kda) at the real shapes for TP degree tp."""
-    from .launches.ffn_tasks import ROUTER_BLOCK_E, ROUTER_CK
+    from .launches.ffn_tasks import ROUTER_BLOCK_E, router_rck
+    from .launches.kda import ROUTER_PARTS
     H, d, nh = 4096, 128, 64 // tp
     D = nh * d
     c = dict(H=H, D=D, NH=nh, R=d, N_IN=3 * D + nh + 2 * d, I=(2048 if moe else 12288) // tp, DK=d, DV=d, BV=32, KC=4,
              CK=32, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=5, BLOCK_C=32, GATE_BH=512, ITERS=20, ROWS_PAD=8,
              EMBED=embed, ACT_F32=False, MOE=moe, E=288 if moe else 1, KE=8 if moe else 1,
              I_E=(2048 // tp) if moe else 1, E_PAD=512 if moe else 1, K_PAD=8 if moe else 1, RENORM=True,
-             BLOCK_E=ROUTER_BLOCK_E, RCK=ROUTER_CK, TRACE=False)
+             BLOCK_E=ROUTER_BLOCK_E, RCK=router_rck(H, ROUTER_PARTS), TRACE=False)
     c.update(k_splits(c, fp8, tp, D, 2))
     return c
 
@@ -81,7 +82,8 @@ def dsa_spec(kind: str, tp: int, fp8: bool, warps: int = 4, block_t: int | None 
     from .launches.nextn import NextnLaunch
     from .launches.sparse import SparseLaunch, layer_caches
     from .kernels.mla import att_chunk, choose_attention_split, join_chunk
-    from .launches.ffn_tasks import ROUTER_BLOCK_E, ROUTER_CK
+    from .launches.ffn_tasks import ROUTER_BLOCK_E, router_rck
+    from .launches.kda import ROUTER_PARTS
     from .launches.sparse_layer import sparse_layer_kernel as k
     from .reference.caches import DecodeCaches
     from .weights import RandomWeights
@@ -108,7 +110,7 @@ def dsa_spec(kind: str, tp: int, fp8: bool, warps: int = 4, block_t: int | None 
                 TOPK=512, WIDTH=2051, I=I, BLOCK_N=64, BLOCK_K=128, PF_K=128, NUM_STAGES=5, BLOCK_C=32, GATE_BH=512,
                 ITERS=20, ROWS_PAD=8, ACT_F32=False, ABS_C=64, ABS_CK=64, HB=min(16, NH), BLOCK_T=block_t, ATT_CK=32,
                 OUT_N=64, OUT_PF=128, BLOCK_P=64, T_MAX=16, BITS=8, SEL_BLOCK=1024, NORM_BLOCK=4096, E=288, KE=8,
-                I_E=I, E_PAD=512, K_PAD=8, RENORM=True, BLOCK_E=ROUTER_BLOCK_E, RCK=ROUTER_CK, NEXTN=kind == "nextn",
+                I_E=I, E_PAD=512, K_PAD=8, RENORM=True, BLOCK_E=ROUTER_BLOCK_E, RCK=router_rck(4096, ROUTER_PARTS), NEXTN=kind == "nextn",
                 TRACE=False, MOE=True)
     sp = choose_attention_split(2051, NH, 264, 132)              # the launch's chooser at its H200 grid (2 per SM)
     real.update(HB=sp.heads_per_task, BLOCK_T=block_t or sp.block_t, ATT_CK=att_chunk(block_t or sp.block_t, 512),

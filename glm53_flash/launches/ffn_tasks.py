@@ -36,7 +36,8 @@ from sync.device import const_word, trace_mark
 from ..kernels.gemv import gemv_store, gemv_store_at, gemv_stream, plane_sum
 from ..kernels.mlp import swiglu_clamped
 from ..kernels.moe import (ROUTER_CK as MOE_ROUTER_CK, moe_down_group, router_bias, router_finish, router_logits,
-                           router_prefetch, router_store_partial, router_store_record, router_topk)
+                           router_prefetch, router_slice_partial, router_store_partial, router_store_record,
+                           router_topk)
 from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACT_CTA, M_ACT_FOLD, M_ACTE, M_COEF2, M_DPART,
                   M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles,
                   act_at, add_cols, f32_at, gemv_tile, i32_at, l2_prefetch_rows, post_cols,
@@ -76,6 +77,20 @@ if ROUTER_CK not in (32, 64):
 # runs, which streams little)
 ROUTER_PF: tl.constexpr = tl.constexpr(os.environ.get("GLM53_ROUTER_PF", "") == "1")
 ROUTER_PF_LINES = tl.constexpr(8)   # 128-byte lines a row: the router's fp32 K slice at 16 K ranges of H 4096
+# GLM53_ROUTER_SLICE (default 1; 0 = the step form, for A/B timings): a router task loads its whole K range's
+# weights (32 experts x 256 columns fp32 at H 4096: 64 registers a thread) before its a wait and, after it, one fp32
+# dot a row (kernels/moe.py router_slice_partial); RCK is then the width of its two tiles (router_rck)
+ROUTER_SLICE: tl.constexpr = tl.constexpr(os.environ.get("GLM53_ROUTER_SLICE", "1") == "1")
+
+
+def router_rck(H: int, parts: int, ck: int = ROUTER_CK) -> int:
+    """The kernels' RCK for hidden size H over `parts` router K ranges: with ROUTER_SLICE the width of the two register
+    tiles that cover one K range (a power of two, at least ck; the ranges, rounded up to a multiple of it, then span
+    at most two: 128 at H 4096), else the K step ck."""
+    if not ROUTER_SLICE:
+        return ck
+    span = -(-(-(-H // parts)) // ck) * ck
+    return max(ck, triton.next_power_of_2(span) // 2)
 
 
 # ---------------------------------------------------------------------------- compute pieces
@@ -259,9 +274,11 @@ def router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, t
                 E: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RCK: tl.constexpr,
                 NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr):
     """Router logit partial: experts [a0, a0 + BLOCK_E), K range [a1, a2), K part a4, producer a3 of rl.
-    -> (ok, rdy)."""
+    ROUTER_SLICE: two RCK-wide tiles cover the K range, all in registers before the wait. -> (ok, rdy)."""
     w0 = router_prefetch(W_r, a0, a1, a2, E, H, BLOCK_E, RCK)
-    if ROUTER_PF:
+    if ROUTER_SLICE:
+        w1 = router_prefetch(W_r, a0, a1 + RCK, a2, E, H, BLOCK_E, RCK)      # the range's second tile
+    if ROUTER_PF and not ROUTER_SLICE:
         if not in_interpreter():
             offs_e = a0 + tl.arange(0, BLOCK_E)
             offs_l = a1 + RCK + tl.arange(0, ROUTER_PF_LINES) * 32              # fp32: 32 a line; chunk 0 is w0
@@ -272,8 +289,11 @@ def router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, t
     sb, sw, ss = sig_words(scratch, meta, B_RL)
     ok, rdy = waitb(scratch, meta, B_A, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
-        lg = router_finish(w0, W_r, x, H, rows, a0, a1, a2, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES)
-        router_store_partial(part, lg, rows, a0, E, ROWS_PAD, BLOCK_E)
+        if ROUTER_SLICE:
+            router_slice_partial(part, w0, w1, x, H, rows, a0, a1, a2, E, ROWS_PAD, BLOCK_E, RCK)
+        else:
+            lg = router_finish(w0, W_r, x, H, rows, a0, a1, a2, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES)
+            router_store_partial(part, lg, rows, a0, E, ROWS_PAD, BLOCK_E)
         signal_at(sb, sw, ss, a3, tag, fault_site)
     return ok, rdy
 

@@ -23,7 +23,7 @@ import os
 import torch
 
 from ..kernels.moe import pack_experts
-from .ffn_tasks import ACT_COLS, ROUTER_BLOCK_E
+from .ffn_tasks import ACT_COLS, ROUTER_BLOCK_E, router_rck
 from ..schedule import NOMINAL_GRID, choose_groups
 from .layer_host import KdaLayerLaunch
 
@@ -86,6 +86,7 @@ class KdaLaunch(KdaLayerLaunch):
         # router K ranges: the fp32 router weight (4.7 MB at E = 288) over E / BLOCK_E x ROUTER_PARTS tasks;
         # a fixed count, not one derived from the grid, so the partials' join order (bits) is the same on
         # every grid
+        self.router_ck = router_rck(self.H, ROUTER_PARTS, self.router_ck)     # the slice form: one tile a range
         split = -(-(-(-self.H // ROUTER_PARTS)) // self.router_ck) * self.router_ck
         self.r_split = split
         self.nrpart = -(-self.H // split)
