@@ -18,7 +18,8 @@ import triton.language as tl
 from glm53_flash.config import preset
 from glm53_flash.fp8 import dequantize_fp8, quantize_fp8
 from glm53_flash.kernels.gemv import default_config
-from glm53_flash.kernels.moe import moe_down_group, moe_forward, pack_experts, router_topk
+from glm53_flash.kernels.moe import (moe_down_group, moe_forward, pack_experts, router_prefetch, router_slice_partial,
+                                     router_topk)
 from glm53_flash.reference import ops
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -337,6 +338,69 @@ _SELECT = ["moe", "router_select_kernel",
                 K=_C, E_PAD=_C, K_PAD=_C, RENORM=_C), dict(K=8, E_PAD=512, K_PAD=8, RENORM=True), 4]
 
 # (variant, register budget at 4 warps, 64-wide tiles, BLOCK_K 128); measured with triton 3.6's ptxas:
+@triton.jit
+def _router_slice_kernel(wr, x, part, rows, k0, k1, E: tl.constexpr, H: tl.constexpr, BLOCK_E: tl.constexpr,
+                         CK: tl.constexpr):
+    e0 = tl.program_id(0) * BLOCK_E
+    w0 = router_prefetch(wr, e0, k0, k1, E, H, BLOCK_E, CK)
+    w1 = router_prefetch(wr, e0, k0 + CK, k1, E, H, BLOCK_E, CK)
+    router_slice_partial(part, w0, w1, x, H, rows, e0, k0, k1, E, 8, BLOCK_E, CK)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8], ids=lambda r: f"rows{r}")
+def test_router_slice_partial(rows, gen, one_thread):
+    """The launches' router partial in its slice form (kernels/moe.py router_slice_partial; launches/ffn_tasks.py
+    ROUTER_SLICE): two CK-wide register tiles cover the K range [k0, k1) (here 48 of 64 columns, the second tile
+    half masked), 40 experts over two 32-expert tiles (the second mostly past E): the fp32 logits of each row
+    within fp32 rounding of x @ W^T, rows past `rows` and columns past E untouched (NaN-poisoned), and each row's
+    bits the same whatever the row count (it is computed alone in every case)."""
+    E, H, k0, k1, CK, BE = 40, 256, 64, 112, 32, 32
+    wr = torch.randn(E, H, generator=gen) / H ** 0.5
+    x = torch.randn(8, H, generator=gen).bfloat16()
+    outs = {}
+    for n in (rows, 1):
+        part = torch.full((8, E), float("nan"))
+        _router_slice_kernel[(triton.cdiv(E, BE),)](wr, x, part, n, k0, k1, E=E, H=H, BLOCK_E=BE, CK=CK)
+        outs[n] = part
+    part = outs[rows]
+    want = x[:rows, k0:k1].double() @ wr[:, k0:k1].double().T
+    assert not torch.isnan(part[:rows]).any() and torch.isnan(part[rows:]).all()
+    assert torch.allclose(part[:rows].double(), want, rtol=0, atol=1e-5)
+    assert torch.equal(part[:1], outs[1][:1])
+
+
+_COMPILE_SLICE = r"""
+import json, sys, triton
+sys.path.insert(0, "tests")
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from test_kernels_moe import _router_slice_kernel as k
+sig = {n: "i32" for n in k.arg_names}
+sig.update(wr="*fp32", x="*bf16", part="*fp32", E="constexpr", H="constexpr", BLOCK_E="constexpr", CK="constexpr")
+attrs = {(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("wr", "x", "part")}   # as the launches'
+ck = triton.compile(ASTSource(fn=k, signature=sig, constexprs={"E": 288, "H": 4096, "BLOCK_E": 32, "CK": 128},
+                              attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print(json.dumps({"ptx": ck.asm["ptx"]}))
+"""
+
+
+def test_sm90_router_slice_loads_first():
+    """The slice form at the launches' shape (32 experts x 2 tiles of 128 columns): every row's x is loaded (16
+    cache-global loads: 8 rows x 2 tiles) before the first CTA barrier, so 8 rows cost one round trip, and x meets w
+    in w's layout (no MMA; a [1, CK] load gets another layout, and the barrier of its conversion after every load
+    serialised the rows in the first build)."""
+    from test_sync import sm90_ptx
+    from glm53_flash.sm90_regs import ptxas_available
+    if not ptxas_available():
+        pytest.skip("Triton's bundled ptxas is missing")
+    lines = sm90_ptx(_COMPILE_SLICE).splitlines()
+    loads = [i for i, ln in enumerate(lines) if "ld.global.cg" in ln]
+    bars = [i for i, ln in enumerate(lines) if "bar.sync" in ln]
+    assert len(loads) == 16
+    assert not bars or max(loads) < min(bars)
+    assert not any("mma" in ln for ln in lines)
+
+
 # gate|up bf16 146 (PF_K 64 + 2 stages: 80), FP8 134; down 72 / 72; expert gate|up 144 / 128;
 # MoE down 146 (2 stages: 114) / 120; router partial 64; router select 88 (its 16 planes in flight: 64 registers)
 BUDGETS = [
