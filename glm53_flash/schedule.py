@@ -98,6 +98,7 @@ class Task:
     writes: tuple[str, ...]
     nbytes: int
     cta: int | None             # pinned CTA, or None
+    clear: int = 0              # stages before its own that its CTA runs nothing new in (TaskGraph.add)
 
     def label(self, cta: int | None = None) -> str:
         c = self.cta if cta is None else cta
@@ -118,7 +119,12 @@ class TaskGraph:
         self.stage_names.append(name)
         return len(self.stage_names) - 1
 
-    def add(self, family: str, args=(), *, reads=(), writes=(), nbytes: int = 0, cta: int | None = None) -> Task:
+    def add(self, family: str, args=(), *, reads=(), writes=(), nbytes: int = 0, cta: int | None = None,
+            clear: int = 0) -> Task:
+        """clear = n: the task gets a CTA of its own choosing (the highest not yet taken so) that is given no task of
+        the n stages before the task's stage, so it is free by the end of its last earlier task, not behind a join
+        of those stages: for a latency-critical task whose dry run (ffn.WARM_CODE) must end before its input
+        arrives. Skipped on grids too small to spare the CTAs (CPU)."""
         if not self.stage_names:
             raise ScheduleError(f"{self.kind}: add({family!r}) before any stage() call")
         if family not in self.families:
@@ -128,7 +134,10 @@ class TaskGraph:
             raise ScheduleError(f"{self.kind}: task {family!r} has {len(args)} args, at most {MAX_ARGS}")
         if not isinstance(nbytes, int) or nbytes < 0:
             raise ScheduleError(f"{self.kind}: task {family!r} nbytes={nbytes!r} must be an int >= 0")
-        t = Task(len(self.tasks), len(self.stage_names) - 1, family, args, tuple(reads), tuple(writes), nbytes, cta)
+        if not isinstance(clear, int) or clear < 0 or (clear and cta is not None):
+            raise ScheduleError(f"{self.kind}: task {family!r} clear={clear!r} must be an int >= 0, unpinned")
+        t = Task(len(self.tasks), len(self.stage_names) - 1, family, args, tuple(reads), tuple(writes), nbytes, cta,
+                 clear)
         self.tasks.append(t)
         return t
 
@@ -200,20 +209,22 @@ def build(graph: TaskGraph, grid: int) -> Schedule:
     load = [0] * grid                                   # cost over all stages so far
     last = [-1] * grid                                  # stage of the CTA's last task (-1: none yet)
     programs: list[list[int]] = [[] for _ in range(grid)]
+    cta_of, cleared = _clear_ctas(graph, grid)
     for s in range(len(graph.stage_names)):
         stage = [t for t in graph.tasks if t.stage == s]
         here = [0] * grid                               # this stage's cost
         for t in stage:
-            if t.cta is not None:
-                if not 0 <= t.cta < grid:
+            c = t.cta if t.cta is not None else cta_of.get(t.id)
+            if c is not None:
+                if not 0 <= c < grid:
                     raise ScheduleError(f"{graph.kind}: {t.label()} is pinned outside grid {grid}")
-                programs[t.cta].append(t.id)
-                here[t.cta] += task_cost(t)
-                load[t.cta] += task_cost(t)
-                last[t.cta] = s
-        heap = [_slot_key(here[c], last[c], load[c], c) for c in range(grid)]
+                programs[c].append(t.id)
+                here[c] += task_cost(t)
+                load[c] += task_cost(t)
+                last[c] = s
+        heap = [_slot_key(here[c], last[c], load[c], c) for c in range(grid) if s not in cleared.get(c, ())]
         heapq.heapify(heap)
-        for t in sorted((t for t in stage if t.cta is None), key=lambda t: (-t.nbytes, t.id)):
+        for t in sorted((t for t in stage if t.cta is None and t.id not in cta_of), key=lambda t: (-t.nbytes, t.id)):
             c = heapq.heappop(heap)[-1]
             programs[c].append(t.id)
             here[c] += task_cost(t)
@@ -221,6 +232,16 @@ def build(graph: TaskGraph, grid: int) -> Schedule:
             last[c] = s
             heapq.heappush(heap, _slot_key(here[c], last[c], load[c], c))
     return from_programs(graph, grid, programs)
+
+
+def _clear_ctas(graph: TaskGraph, grid: int) -> tuple[dict[int, int], dict[int, range]]:
+    """The CTAs of the tasks added with clear = n (TaskGraph.add): ({task id: CTA}, {CTA: the stages it takes no
+    other task in}), the highest CTAs in task order; none where fewer than half the grid would stay for a stage."""
+    want = [t for t in graph.tasks if t.clear and t.cta is None]
+    if not want or 2 * len(want) > grid:
+        return {}, {}
+    cta_of = {t.id: grid - 1 - i for i, t in enumerate(want)}
+    return cta_of, {grid - 1 - i: range(max(t.stage - t.clear, 0), t.stage) for i, t in enumerate(want)}
 
 
 def _slot_key(here: int, last: int, load: int, c: int) -> tuple:

@@ -344,7 +344,7 @@ def _router_slice_kernel(wr, x, part, rows, k0, k1, E: tl.constexpr, H: tl.const
     e0 = tl.program_id(0) * BLOCK_E
     w0 = router_prefetch(wr, e0, k0, k1, E, H, BLOCK_E, CK)
     w1 = router_prefetch(wr, e0, k0 + CK, k1, E, H, BLOCK_E, CK)
-    router_slice_partial(part, w0, w1, x, H, rows, e0, k0, k1, E, 8, BLOCK_E, CK)
+    router_slice_partial(part, w0, w1, x, H, rows, e0, k0, k1, E, 1, 8, BLOCK_E, CK)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8], ids=lambda r: f"rows{r}")

@@ -80,6 +80,41 @@ def test_overflow_goes_behind_the_earliest_stage():
     assert after.get("gate") is None                        # the gates went to idle CTAs of their own
 
 
+def test_clear_keeps_a_latency_task_cta_free():
+    """TaskGraph.add(clear=n): the task gets the highest CTA, which takes no task of the n stages before the task's
+    stage, so the task starts when that CTA's earlier work ends, not behind a join of those stages (the route's
+    cold dry run behind a post1, H100 trace); the rest spread over the other CTAs, the schedule is proved, a second
+    such task takes the next CTA down, and a grid too small to spare them places every task by cost."""
+    def graph(n_clear=1):
+        g = TaskGraph("k", {"part": 0, "join": 1, "gemv": 2, "route": 3})
+        g.stage("a")
+        for i in range(8):
+            g.add("part", (i,), writes=("p",), nbytes=4096)
+        g.stage("b")
+        for i in range(8):
+            g.add("join", (i,), reads=("p",), writes=("j",), nbytes=1024)
+        g.stage("c")
+        for i in range(8):
+            g.add("gemv", (i,), reads=("j",), writes=("rl",), nbytes=1 << 20)
+        g.stage("route")
+        for r in range(n_clear):
+            g.add("route", (r,), reads=("rl",), writes=("sel",), nbytes=64, clear=2)
+        return g
+    s = build(graph(), 8)
+    prog = {c: [s.tasks[t].family for t in p] for c, p in enumerate(s.programs)}
+    assert prog[7] == ["part", "route"]                                # free after stage a, nothing of b, c
+    assert sum(f == "gemv" for p in prog.values() for f in p) == 8 and all("gemv" in prog[c] for c in range(7))
+    s2 = build(graph(2), 8)
+    assert [s2.tasks[t].family for t in s2.programs[6]][-1] == "route" and "join" not in {
+        s2.tasks[t].family for t in s2.programs[6]}
+    small = build(graph(2), 3)                                         # 2 x 2 > 3: no CTA spared
+    assert sum(small.tasks[t].family == "route" for p in small.programs for t in p) == 2
+    g = TaskGraph("k", FAMS)
+    g.stage("x")
+    with pytest.raises(ScheduleError):
+        g.add("work", (), clear=1, cta=0)                              # clear picks the CTA: not with a pin
+
+
 def test_table_matches_programs():
     g = _graph()
     s = build(g, 4)

@@ -148,35 +148,40 @@ def router_finish(w0, wr, x, stride_x, rows, e0, k0, k1, E, H, ROWS_PAD: tl.cons
 
 @triton.jit
 def _slice_x(x, stride_x, r: tl.constexpr, rows, k, k1, ROWS_PAD: tl.constexpr, CK: tl.constexpr):
-    """Row r's x[k : k + CK] as fp32 [4, CK]: one copy a warp, in the layout of router_prefetch's [BLOCK_E, CK] tile
-    (4 a thread, lanes along K, warps along the experts: the tile's row j sits in warp j % 4), so it meets w (viewed
-    as [BLOCK_E / 4, 4, CK]) with no shared-memory conversion and no barrier. A [1, CK] load would get 1 element a
-    thread and warps along K (Triton's coalescing spreads 128 elements over 128 threads), and w would follow it
-    into a cross-warp reduction; a [BLOCK_E, CK] broadcast load loads each address 8 times a thread (no CSE)."""
+    """Row r's x[k : k + CK] (bf16 or fp32, as stored) as a [4, CK] tile, one copy a warp, in the layout of
+    router_prefetch's [BLOCK_E, CK] tile (4 a thread, lanes along K, warps along the experts: the tile's row j sits
+    in warp j % 4), so it meets w (viewed as [BLOCK_E / 4, 4, CK]) with no shared-memory conversion and no barrier. A
+    [1, CK] load would get 1 element a thread and warps along K (Triton's coalescing spreads 128 elements over 128
+    threads), and w would follow it into a cross-warp reduction; a [BLOCK_E, CK] broadcast load loads each address 8
+    times a thread (no CSE). The offsets claim a contiguity of 4: a bf16 load would otherwise take 8 a thread."""
     offs_k = tl.max_contiguous(_mult16(k) + tl.arange(0, CK), 4)
     zero = tl.zeros([4, 1], tl.int32)
     m = (offs_k[None, :] + zero < _mult16(k1)) & (r < rows) & (r < ROWS_PAD)
-    return tl.load(x + r * stride_x + offs_k[None, :] + zero, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return tl.load(x + r * stride_x + offs_k[None, :] + zero, mask=m, other=0.0, cache_modifier=".cg")
 
 
 @triton.jit
-def _slice_row(part, w0, w1, xa, xb, r: tl.constexpr, rows, offs_e, E, ROWS_PAD: tl.constexpr):
-    if (r < ROWS_PAD) & (r < rows):
-        s = tl.sum(w0 * xa[None, :, :] + w1 * xb[None, :, :], axis=2)                 # [BE / 4, 4]
-        tl.store(part + r * E + offs_e, s, mask=offs_e < E)       # 2-D, as s is held: no conversion
+def _pick8(r, v0, v1, v2, v3, v4, v5, v6, v7):
+    """v_r of eight same-shape tiles (r a runtime row index < 8): selects in registers, one copy of the row code."""
+    a = tl.where(r == 0, v0, v1)
+    b = tl.where(r == 2, v2, v3)
+    c = tl.where(r == 4, v4, v5)
+    d = tl.where(r == 6, v6, v7)
+    return tl.where(r < 4, tl.where(r < 2, a, b), tl.where(r < 6, c, d))
 
 
 @triton.jit
-def router_slice_partial(part, w0, w1, x, stride_x, rows, e0, k0, k1, E, ROWS_PAD: tl.constexpr,
+def router_slice_partial(part, w0, w1, x, stride_x, rows, e0, k0, k1, E, live, ROWS_PAD: tl.constexpr,
                          BLOCK_E: tl.constexpr, CK: tl.constexpr):
     """The slice form of a router partial: w0, w1 = router_prefetch's [BLOCK_E, CK] fp32 tiles at k0 and k0 + CK,
     the task's WHOLE K range [k0, k1) (k1 - k0 <= 2 CK), loaded before the task's wait; part[r, e0 + i] =
     w[i] . x[r, k0:k1] for r < rows in fp32 (per thread w0 * x + w1 * x over its 4 columns of each tile, then the
     warp's shuffle tree: the same code for every row, so a row's bits depend neither on the other rows nor on the
-    row count). CK <= 128 keeps a tile's K inside one warp (no cross-warp step), and every row's x is loaded before
-    any row's sum (8 rows: one round trip). The step form (router_finish: CK-wide MMA steps after the wait, each
-    weight split into three bf16 parts) spent ~5 us of own time on the TP8 path in 8 steps (traces, sixteenth and
-    seventeenth sessions), and in 4 steps of 64 no less."""
+    row count). CK <= 128 keeps a tile's K inside one warp (no cross-warp step); every row's x is loaded before any
+    row's sum (8 rows: one round trip), and the rows then run one loop body (one copy of the code: unrolled, 8
+    rows' cold code cost the 8-row launch +4.8 us, H100). live = 0: a dry run that stores nothing (the caller's
+    code warming, before its wait; x may be stale then). The step form (router_finish: CK-wide MMA steps after the
+    wait, each weight split into three bf16 parts) spent 5.4 us of own time on the TP8 path (H100 trace)."""
     tl.static_assert(ROWS_PAD <= 8)
     tl.static_assert(CK <= 128)
     offs_e = e0 + tl.arange(0, BLOCK_E // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]       # [BLOCK_E / 4, 4]
@@ -198,14 +203,13 @@ def router_slice_partial(part, w0, w1, x, stride_x, rows, e0, k0, k1, E, ROWS_PA
     xb6 = _slice_x(x, stride_x, 6, rows, k0 + CK, k1, ROWS_PAD, CK)
     xa7 = _slice_x(x, stride_x, 7, rows, k0, k1, ROWS_PAD, CK)
     xb7 = _slice_x(x, stride_x, 7, rows, k0 + CK, k1, ROWS_PAD, CK)
-    _slice_row(part, w0, w1, xa0, xb0, 0, rows, offs_e, E, ROWS_PAD)
-    _slice_row(part, w0, w1, xa1, xb1, 1, rows, offs_e, E, ROWS_PAD)
-    _slice_row(part, w0, w1, xa2, xb2, 2, rows, offs_e, E, ROWS_PAD)
-    _slice_row(part, w0, w1, xa3, xb3, 3, rows, offs_e, E, ROWS_PAD)
-    _slice_row(part, w0, w1, xa4, xb4, 4, rows, offs_e, E, ROWS_PAD)
-    _slice_row(part, w0, w1, xa5, xb5, 5, rows, offs_e, E, ROWS_PAD)
-    _slice_row(part, w0, w1, xa6, xb6, 6, rows, offs_e, E, ROWS_PAD)
-    _slice_row(part, w0, w1, xa7, xb7, 7, rows, offs_e, E, ROWS_PAD)
+    r = 0
+    while r < tl.minimum(rows, ROWS_PAD):
+        xa = _pick8(r, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7).to(tl.float32)
+        xb = _pick8(r, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7).to(tl.float32)
+        s = tl.sum(w0 * xa[None, :, :] + w1 * xb[None, :, :], axis=2)                # [BLOCK_E / 4, 4]
+        tl.store(part + r * E + offs_e, s, mask=(offs_e < E) & (live != 0))   # 2-D, as s is held
+        r += 1
 
 
 @triton.jit

@@ -28,6 +28,11 @@ from ..schedule import NOMINAL_GRID, choose_groups
 from .layer_host import KdaLayerLaunch
 
 BLOCK_E = ROUTER_BLOCK_E   # experts per router tile
+# The route's CTA takes no task of the ROUTE_CLEAR stages before the route (o_proj / o_sum / gate_ffn / moe_route
+# in kda): it runs the route's cold dry run (ffn.WARM_CODE, ~7 us) while rl is still being computed. Placed by cost,
+# it sat behind a post1 that ends ~42 us in, and its dry run ended ~3 us after the slice-form router's last partial
+# (H100 trace, eighteenth session). GLM53_ROUTE_CLEAR (A/B timings): 0 = placed by cost as before.
+ROUTE_CLEAR = int(os.environ.get("GLM53_ROUTE_CLEAR", "4"))
 ROUTER_PARTS = 16   # K ranges of the router GEMV, 8 K steps of 32 each (4 parts: 72 tasks of 64 KB, ~30 us traced)
 
 
@@ -148,7 +153,8 @@ class KdaLaunch(KdaLayerLaunch):
         self._gemv_stage(g, "gu", self.I, 2 * H * wb, ("a",), ("hg",), "hg", k_split=self.ks_gu)
         g.stage("route")
         for r in range(W):
-            g.add("route", (r, r), reads=("rl",), writes=("sel",), nbytes=self.nrpart * self.E * 4)
+            g.add("route", (r, r), reads=("rl",), writes=("sel",), nbytes=self.nrpart * self.E * 4,
+                  clear=ROUTE_CLEAR)
         self.n_box["sel"] = W
         prod = self._act_tasks(g, 0)                    # the shared expert's h: off the critical path here
         g.stage("experts")
