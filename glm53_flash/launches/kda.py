@@ -28,11 +28,13 @@ from ..schedule import NOMINAL_GRID, choose_groups
 from .layer_host import KdaLayerLaunch
 
 BLOCK_E = ROUTER_BLOCK_E   # experts per router tile
-# The route's CTA takes no task of the ROUTE_CLEAR stages before the route (o_proj / o_sum / gate_ffn / moe_route
-# in kda): it runs the route's cold dry run (ffn.WARM_CODE, ~7 us) while rl is still being computed. Placed by cost,
-# it sat behind a post1 that ends ~42 us in, and its dry run ended ~3 us after the slice-form router's last partial
-# (H100 trace, eighteenth session). GLM53_ROUTE_CLEAR (A/B timings): 0 = placed by cost as before.
-ROUTE_CLEAR = int(os.environ.get("GLM53_ROUTE_CLEAR", "4"))
+# GLM53_ROUTE_CLEAR=N (A/B timings; default 0: placed by cost): the route's CTA takes no task of the N stages before
+# the route (4: o_proj / o_sum / gate_ffn / moe_route in kda), so its cold dry run (ffn.WARM_CODE, ~7 us) runs while
+# rl is still being computed. Placed by cost it sits behind a post1 that ends ~42 us in, and with the slice router
+# its dry run ended ~3 us after the last partial (H100 trace, eighteenth session). Built, not timed: the risk is the
+# other way, a dry run that ends long before rl (clear 4: right after the CTA's inproj, ~23 us in) and code evicted
+# from the SM's instruction cache by the time rl arrives; clear 3 keeps the CTA's o_proj-stage tasks.
+ROUTE_CLEAR = int(os.environ.get("GLM53_ROUTE_CLEAR", "0"))
 ROUTER_PARTS = 16   # K ranges of the router GEMV, 8 K steps of 32 each (4 parts: 72 tasks of 64 KB, ~30 us traced)
 
 
