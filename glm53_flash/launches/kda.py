@@ -35,7 +35,7 @@ BLOCK_E = ROUTER_BLOCK_E   # experts per router tile
 # other way, a dry run that ends long before rl (clear 4: right after the CTA's inproj, ~23 us in) and code evicted
 # from the SM's instruction cache by the time rl arrives; clear 3 keeps the CTA's o_proj-stage tasks.
 ROUTE_CLEAR = int(os.environ.get("GLM53_ROUTE_CLEAR", "0"))
-ROUTER_PARTS = 16   # K ranges of the router GEMV, 8 K steps of 32 each (4 parts: 72 tasks of 64 KB, ~30 us traced)
+ROUTER_PARTS = 16   # K ranges of the router GEMV, 256 columns each (4 parts: 72 tasks of 64 KB, ~30 us traced)
 
 
 class KdaLaunch(KdaLayerLaunch):
@@ -93,7 +93,7 @@ class KdaLaunch(KdaLayerLaunch):
         # router K ranges: the fp32 router weight (4.7 MB at E = 288) over E / BLOCK_E x ROUTER_PARTS tasks;
         # a fixed count, not one derived from the grid, so the partials' join order (bits) is the same on
         # every grid
-        self.router_ck = router_rck(self.H, ROUTER_PARTS, self.router_ck)     # the slice form: one tile a range
+        self.router_ck = router_rck(self.H, ROUTER_PARTS, self.router_ck)     # slice form: 2 tiles cover a range
         split = -(-(-(-self.H // ROUTER_PARTS)) // self.router_ck) * self.router_ck
         self.r_split = split
         self.nrpart = -(-self.H // split)
