@@ -66,6 +66,7 @@ def choose_k_split(n_tiles: int, k_steps: int, step_bytes: int, *, max_split: in
     return best
 
 
+FILLER_LATE = 4 * TASK_COST_FLOOR   # a late CTA takes fillers only once the early ones hold ~4 each (build)
 JOIN_US = 2.0                   # a join stage's extra hop (the partials' wait, the join, its publish)
 
 
@@ -99,6 +100,7 @@ class Task:
     nbytes: int
     cta: int | None             # pinned CTA, or None
     clear: int = 0              # stages before its own that its CTA runs nothing new in (TaskGraph.add)
+    filler: bool = False        # placed after its stage's other tasks, on the CTAs free soonest (TaskGraph.add)
 
     def label(self, cta: int | None = None) -> str:
         c = self.cta if cta is None else cta
@@ -120,11 +122,15 @@ class TaskGraph:
         return len(self.stage_names) - 1
 
     def add(self, family: str, args=(), *, reads=(), writes=(), nbytes: int = 0, cta: int | None = None,
-            clear: int = 0) -> Task:
+            clear: int = 0, filler: bool = False, stage: int | None = None) -> Task:
         """clear = n: the task gets a CTA of its own choosing (the highest not yet taken so) that is given no task of
         the n stages before the task's stage, so it is free by the end of its last earlier task, not behind a join
         of those stages: for a latency-critical task whose dry run (ffn.WARM_CODE) must end before its input
-        arrives. Skipped on grids too small to spare the CTAs (CPU)."""
+        arrives. Skipped on grids too small to spare the CTAs (CPU).
+        filler: a task that waits on nothing and is not worth a CTA's balance (the loopback peers' stores): placed
+        after its stage's other tasks on the CTAs whose last task is of the earliest stage (build), never behind a
+        task of a later stage that waits, since what waits on a filler's output would wait for that task too.
+        stage: an earlier stage (an index `stage()` returned) to add the task to instead of the current one."""
         if not self.stage_names:
             raise ScheduleError(f"{self.kind}: add({family!r}) before any stage() call")
         if family not in self.families:
@@ -136,8 +142,13 @@ class TaskGraph:
             raise ScheduleError(f"{self.kind}: task {family!r} nbytes={nbytes!r} must be an int >= 0")
         if not isinstance(clear, int) or clear < 0 or (clear and cta is not None):
             raise ScheduleError(f"{self.kind}: task {family!r} clear={clear!r} must be an int >= 0, unpinned")
-        t = Task(len(self.tasks), len(self.stage_names) - 1, family, args, tuple(reads), tuple(writes), nbytes, cta,
-                 clear)
+        if filler and (reads or cta is not None or clear):
+            raise ScheduleError(f"{self.kind}: filler task {family!r} must wait on nothing and be unpinned, unclear")
+        cur = len(self.stage_names) - 1
+        if stage is not None and not (isinstance(stage, int) and 0 <= stage <= cur):
+            raise ScheduleError(f"{self.kind}: task {family!r} stage={stage!r} must be an opened stage (0..{cur})")
+        t = Task(len(self.tasks), cur if stage is None else stage, family, args, tuple(reads), tuple(writes), nbytes, cta,
+                 clear, bool(filler) and FILLER_EARLY)
         self.tasks.append(t)
         return t
 
@@ -222,15 +233,30 @@ def build(graph: TaskGraph, grid: int) -> Schedule:
                 here[c] += task_cost(t)
                 load[c] += task_cost(t)
                 last[c] = s
-        heap = [_slot_key(here[c], last[c], load[c], c) for c in range(grid) if s not in cleared.get(c, ())]
+        free = [c for c in range(grid) if s not in cleared.get(c, ())]
+        heap = [_slot_key(here[c], last[c], load[c], c) for c in free]
         heapq.heapify(heap)
-        for t in sorted((t for t in stage if t.cta is None and t.id not in cta_of), key=lambda t: (-t.nbytes, t.id)):
+        rest = sorted((t for t in stage if t.cta is None and t.id not in cta_of), key=lambda t: (-t.nbytes, t.id))
+        for t in (t for t in rest if not t.filler):
             c = heapq.heappop(heap)[-1]
             programs[c].append(t.id)
             here[c] += task_cost(t)
             load[c] += task_cost(t)
             last[c] = s
             heapq.heappush(heap, _slot_key(here[c], last[c], load[c], c))
+        # fillers: not behind a task of this stage (it waits on the stage before: a filler would publish only when it
+        # ends), then this stage's cost plus FILLER_LATE where the CTA's last task is of the stage before (likely
+        # waiting too; but a few CTAs free early must not take them all: kda's 448 peer_d stores on its 8 such CTAs
+        # would run ~40 us); `last` stays the CTA's last non-filler stage
+        fkey = lambda c: (last[c] >= s, here[c] + (FILLER_LATE if last[c] == s - 1 else 0), last[c], load[c], c)  # noqa
+        fheap = [fkey(c) for c in free]
+        heapq.heapify(fheap)
+        for t in (t for t in rest if t.filler):
+            c = heapq.heappop(fheap)[-1]
+            programs[c].append(t.id)
+            here[c] += task_cost(t)
+            load[c] += task_cost(t)
+            heapq.heappush(fheap, fkey(c))
     return from_programs(graph, grid, programs)
 
 
@@ -255,6 +281,7 @@ def _slot_key(here: int, last: int, load: int, c: int) -> tuple:
 
 
 EARLY_FREE = os.environ.get("GLM53_SCHED_EARLY_FREE", "1") != "0"   # A/B knob (timings); 1 = the default
+FILLER_EARLY = os.environ.get("GLM53_SCHED_FILLER", "1") != "0"     # A/B knob: 0 places fillers as any task
 
 
 def from_programs(graph: TaskGraph, grid: int, programs: list[list[int]]) -> Schedule:

@@ -115,6 +115,83 @@ def test_clear_keeps_a_latency_task_cta_free():
         g.add("work", (), clear=1, cta=0)                              # clear picks the CTA: not with a pin
 
 
+def test_fillers_never_queue_behind_a_waiting_task(monkeypatch):
+    """TaskGraph.add(filler=True) (the loopback peers' stores): placed after the stage's other tasks, never on a CTA
+    whose last task is of the filler's own stage (a join that waits), on a CTA whose last task is of the stage before
+    only once the CTAs free earlier hold FILLER_LATE's worth each, and balanced over those. Program order: a filler
+    follows its CTA's non-filler task of the same stage. Without the rule (GLM53_SCHED_FILLER=0) some do queue behind
+    the joins, which is what the rule is for. A filler that waits on something is refused."""
+    import glm53_flash.schedule as sched
+
+    def graph():
+        g = TaskGraph("k", {"part": 0, "wait": 1, "join": 2, "peer": 3})
+        g.stage("a")
+        for i in range(2):
+            g.add("part", (i,), writes=("p",), nbytes=1 << 20)
+        g.stage("b")
+        for i in range(4):
+            g.add("wait", (i,), reads=("p",), writes=("w",), nbytes=1 << 20)
+        g.stage("c")
+        for i in range(2):
+            g.add("join", (i,), reads=("w",), writes=("x",), nbytes=16384)       # small, as a join is
+        for i in range(16):
+            g.add("peer", (i,), writes=("x",), nbytes=4096, filler=True)
+        return g
+
+    s = build(graph(), 8)          # CTAs: 2 part, 4 wait, 2 join (free ones first); peers on the 2 + 2 left
+    fam = {c: [s.tasks[t].family for t in p] for c, p in enumerate(s.programs)}
+    join_ctas = {c for c, f in fam.items() if "join" in f}
+    wait_ctas = {c for c, f in fam.items() if "wait" in f}
+    assert len(join_ctas) == 2 and not any("peer" in fam[c] for c in join_ctas)
+    peers = {c: fam[c].count("peer") for c in fam if "peer" in fam[c]}
+    assert sum(peers.values()) == 16
+    early = {c: n for c, n in peers.items() if c not in wait_ctas}
+    late = {c: n for c, n in peers.items() if c in wait_ctas}
+    assert early and all(n >= 4 for n in early.values()), (early, late)   # FILLER_LATE = 4 task floors
+    assert max(peers.values()) - min(early.values()) <= 5 and max(early.values()) <= 6
+    for c, f in fam.items():                                           # fillers last in their CTA's stage
+        if "peer" in f:
+            assert f[f.index("peer"):] == ["peer"] * f.count("peer")
+    monkeypatch.setattr(sched, "FILLER_EARLY", False)
+    old = build(graph(), 8)
+    ofam = {c: [old.tasks[t].family for t in p] for c, p in enumerate(old.programs)}
+    assert any("join" in f and "peer" in f[f.index("join"):] for f in ofam.values())
+    g = TaskGraph("k", {"peer": 0})
+    g.stage("x")
+    with pytest.raises(ScheduleError):
+        g.add("peer", (), reads=("y",), filler=True)
+    with pytest.raises(ScheduleError):
+        g.add("peer", (), stage=1)                                     # not opened yet
+
+
+def test_a_task_added_to_an_earlier_stage():
+    """add(stage=k) (the loopback peer_d stores, added with the down stage's ranges but placed in the route stage,
+    whose CTAs then wait for sel): the task is of stage k, so it runs before its CTA's tasks of later stages, and the
+    proof still holds its readers to a later stage."""
+    g = TaskGraph("k", {"a": 0, "slot": 1, "peer": 2, "sum": 3})
+    s0 = g.stage("route")
+    g.add("a", (), writes=("sel",))
+    g.stage("slots")
+    for i in range(3):
+        g.add("slot", (i,), reads=("sel",), writes=("d",), nbytes=1 << 20)
+    g.stage("sum")
+    g.add("sum", (), reads=("d",))
+    for i in range(3):
+        g.add("peer", (i,), writes=("d",), filler=True, stage=s0)
+    s = build(g, 4)
+    for p in s.programs:
+        st = [s.tasks[t].stage for t in p]
+        assert st == sorted(st)
+    assert all(t.stage == s0 for t in s.tasks if t.family == "peer")
+    bad = TaskGraph("k", {"a": 0, "b": 1})
+    bad.stage("x")
+    bad.add("a", (), writes=("r",))
+    bad.stage("y")
+    bad.add("b", (), reads=("r",), stage=0)                            # a reader in its writer's stage
+    with pytest.raises(ScheduleError):
+        build(bad, 2)
+
+
 def test_table_matches_programs():
     g = _graph()
     s = build(g, 4)

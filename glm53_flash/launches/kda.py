@@ -28,13 +28,14 @@ from ..schedule import NOMINAL_GRID, choose_groups
 from .layer_host import KdaLayerLaunch
 
 BLOCK_E = ROUTER_BLOCK_E   # experts per router tile
-# GLM53_ROUTE_CLEAR=N (A/B timings; default 0: placed by cost): the route's CTA takes no task of the N stages before
-# the route (4: o_proj / o_sum / gate_ffn / moe_route in kda), so its cold dry run (ffn.WARM_CODE, ~7 us) runs while
-# rl is still being computed. Placed by cost it sits behind a post1 that ends ~42 us in, and with the slice router
-# its dry run ended ~3 us after the last partial (H100 trace, eighteenth session). Built, not timed: the risk is the
-# other way, a dry run that ends long before rl (clear 4: right after the CTA's inproj, ~23 us in) and code evicted
-# from the SM's instruction cache by the time rl arrives; clear 3 keeps the CTA's o_proj-stage tasks.
-ROUTE_CLEAR = int(os.environ.get("GLM53_ROUTE_CLEAR", "0"))
+# GLM53_ROUTE_CLEAR=N (default 4; 0: placed by cost): the route's CTA takes no task of the N stages before the route
+# (o_proj / o_sum / gate_ffn / moe_route in kda), so its cold dry run (ffn.WARM_CODE, ~7 us) runs while rl is still
+# being computed. Placed by cost it sat behind a post1 that ends ~42 us in, and with the slice router its dry run
+# ended ~3 us after the last partial. Measured (H100, nineteenth session, two rounds): kda TP8 -1.2 us against 0,
+# the route's wait ending ~1 us after the last router partial (trace); sparse -0.3, nextn within the spread.
+ROUTE_CLEAR = int(os.environ.get("GLM53_ROUTE_CLEAR", "4"))
+# GLM53_PEER_D_EARLY=0 (A/B timings) adds the loopback peer_d stores in the down_join stage, as before.
+PEER_D_EARLY = os.environ.get("GLM53_PEER_D_EARLY", "1") != "0"
 ROUTER_PARTS = 16   # K ranges of the router GEMV, 256 columns each (4 parts: 72 tasks of 64 KB, ~30 us traced)
 
 
@@ -153,7 +154,7 @@ class KdaLaunch(KdaLayerLaunch):
                 slot += 1
         self.n_box["rl"] = slot
         self._gemv_stage(g, "gu", self.I, 2 * H * wb, ("a",), ("hg",), "hg", k_split=self.ks_gu)
-        g.stage("route")
+        route_stage = g.stage("route")
         for r in range(W):
             g.add("route", (r, r), reads=("rl",), writes=("sel",), nbytes=self.nrpart * self.E * 4,
                   clear=ROUTE_CLEAR)
@@ -185,4 +186,6 @@ class KdaLaunch(KdaLayerLaunch):
                                       None, ret_ranges=True)
         else:
             ranges = self._moe_down_tasks(g, row_bytes, rd + self._hc_post_reads("cf2"), ("xd",), None)
-        self._down_sum(g, ranges)
+        # the loopback peers' xd stores in the route stage: the CTAs that take them then run expert slots, whose sel
+        # wait absorbs them (behind moe_down, H100 trace, they held post2's xd ~4 us past the last down tile)
+        self._down_sum(g, ranges, peer_stage=route_stage if PEER_D_EARLY else None)

@@ -464,11 +464,12 @@ class KdaLayerLaunch(Launch):
             g.add("down_join", (t0, n, s), reads=("dp",) + self._hc_post_reads("cf2"),
                   writes=("xd",) if self.tp_size > 1 else (), nbytes=self.kg * self.width * n * self.block_n * 4)
 
-    def _down_sum(self, g, ranges) -> None:
-        """TP > 1: the loopback peers' xd tiles and the down_sum (post2) tasks over the tile ranges."""
+    def _down_sum(self, g, ranges, peer_stage: int | None = None) -> None:
+        """TP > 1: the loopback peers' xd tiles (in peer_stage if given, else the current one) and the down_sum
+        (post2) tasks over the tile ranges."""
         tp, BN = self.tp_size, self.block_n
         if tp > 1:
-            self._peers(g, "peer_d", ranges, "xd")
+            self._peers(g, "peer_d", ranges, "xd", stage=peer_stage)
             g.stage("down_sum")
             self._row_group_tasks(g, "post2", ranges, lambda n, nr: tp * nr * n * BN * 8, reads=("xd",))
 
@@ -532,13 +533,18 @@ class KdaLayerLaunch(Launch):
         W, n = self.width, max(1, n_ranges)
         return min(range(1, W + 1), key=lambda per: (-(-n * -(-W // per) // NOMINAL_GRID) * per, -per))
 
-    def _peers(self, g, fam, ranges, region) -> None:
+    def _peers(self, g, fam, ranges, region, stage: int | None = None) -> None:
+        """Loopback: the other ranks' partial tiles of `region`, stored by filler tasks (schedule.TaskGraph.add), so a
+        peer's part lands when a CTA first comes free, not behind a waiting task (kda TP8 trace: three peer_o
+        stores queued behind kda_norm held post1's xo ~5 us past the last o_proj tile). Real peers' stores cost
+        this rank's CTAs nothing."""
         if not self.loopback:
             return
         for p in range(self.tp_size):
             if p != self.tp_rank:
                 for (t0, n) in ranges:
-                    g.add(fam, (p, t0, n), writes=(region,), nbytes=self.width * n * self.block_n * 4)
+                    g.add(fam, (p, t0, n), writes=(region,), nbytes=self.width * n * self.block_n * 4, filler=True,
+                          stage=stage)
 
     def plan_scratch(self, pl: Planner) -> None:
         W, H, D, NB = self.width, self.H, self.D, self.DK // self.BV
