@@ -84,7 +84,7 @@ def test_expert_slots_follow_the_width():
     cfg = preset("glm53-flash")
     for width in (1, 2, 8):
         L = KdaLaunch.__new__(KdaLaunch)
-        L.width, L.KE, L.E, L.block_n = width, cfg.num_experts_per_tok, cfg.n_routed_experts, 64
+        L.width, L.KE, L.E, L.block_n, L.e_bn = width, cfg.num_experts_per_tok, cfg.n_routed_experts, 64, 64
         L.I_E, L.ks_e = cfg.moe_intermediate_size // 8, 8
         items = (L.I_E // 64) * 8
         slots, per = L.expert_slots()

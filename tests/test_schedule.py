@@ -120,7 +120,8 @@ def test_fillers_never_queue_behind_a_waiting_task(monkeypatch):
     whose last task is of the filler's own stage (a join that waits), on a CTA whose last task is of the stage before
     only once the CTAs free earlier hold FILLER_LATE's worth each, and balanced over those. Program order: a filler
     follows its CTA's non-filler task of the same stage. Without the rule (GLM53_SCHED_FILLER=0) some do queue behind
-    the joins, which is what the rule is for. A filler that waits on something is refused."""
+    the joins, which is what the rule is for (the default: the rule gained nothing measured, schedule.FILLER_EARLY).
+    A filler that waits on something is refused."""
     import glm53_flash.schedule as sched
 
     def graph():
@@ -138,6 +139,7 @@ def test_fillers_never_queue_behind_a_waiting_task(monkeypatch):
             g.add("peer", (i,), writes=("x",), nbytes=4096, filler=True)
         return g
 
+    monkeypatch.setattr(sched, "FILLER_EARLY", True)                  # the rule (an A/B knob, default off)
     s = build(graph(), 8)          # CTAs: 2 part, 4 wait, 2 join (free ones first); peers on the 2 + 2 left
     fam = {c: [s.tasks[t].family for t in p] for c, p in enumerate(s.programs)}
     join_ctas = {c for c, f in fam.items() if "join" in f}

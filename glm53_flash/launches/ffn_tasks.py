@@ -81,6 +81,18 @@ ROUTER_PF_LINES = tl.constexpr(8)   # 128-byte lines a row: the router's fp32 K 
 # weights (32 experts x 256 columns fp32 at H 4096: 64 registers a thread) before its a wait and, after it, one fp32
 # dot a row (kernels/moe.py router_slice_partial); RCK is then the width of its two tiles (router_rck)
 ROUTER_SLICE: tl.constexpr = tl.constexpr(os.environ.get("GLM53_ROUTER_SLICE", "1") == "1")
+# GLM53_EXPERT_DIV=2 (A/B timings; default 1): expert items of BLOCK_N / 2 gate and as many up rows with twice the K
+# step, so a pipeline stage holds the same 16 KB and every weight row is read in 256-byte pieces (bf16) instead of
+# 128: the expert stream reached ~2.0 TB/s on the H100 where in_proj (256-byte pieces) reached ~2.6. The K split is
+# then chosen for the smaller tiles (expert_bn, launches/kda.py): 4 slices of 1024 at TP8 instead of 8 of 512.
+EXPERT_DIV: tl.constexpr = tl.constexpr(int(os.environ.get("GLM53_EXPERT_DIV", "1")))
+if EXPERT_DIV.value not in (1, 2):
+    raise ValueError(f"GLM53_EXPERT_DIV={EXPERT_DIV.value} must be 1 or 2")
+
+
+def expert_bn(block_n: int) -> int:
+    """Gate (and up) rows of an expert item for the launch's block_n (EXPERT_DIV)."""
+    return block_n // EXPERT_DIV.value
 
 
 def router_rck(H: int, parts: int, ck: int = ROUTER_CK) -> int:
@@ -410,7 +422,9 @@ def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a4, rdy, pid, ta
     x = act_at(scratch, meta, M_A, ACT_F32)
     epart = f32_at(scratch, meta, M_EPART)
     KL: tl.constexpr = H // KS
-    TPE: tl.constexpr = ((I_E + BLOCK_N - 1) // BLOCK_N) * KS          # items of one expert
+    EBN: tl.constexpr = BLOCK_N // EXPERT_DIV                          # an item's gate rows (expert_bn)
+    EBK: tl.constexpr = BLOCK_K * EXPERT_DIV                           # and its K step: 16 KB a stage either way
+    TPE: tl.constexpr = ((I_E + EBN - 1) // EBN) * KS                  # items of one expert
     sb, sw, ss = sig_words(scratch, meta, B_XE)
     ok, rdy = waitb(scratch, meta, B_SEL, rdy, pid, tag, hdr, timeout_ns)
     if (ok != 0) & (rows == 1):     # one row: its picks differ, so expert d is its rank d (no record join, whose
@@ -420,8 +434,7 @@ def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a4, rdy, pid, ta
             e = tl.minimum(tl.maximum(tl.load(ids + d, cache_modifier=".cg"), 0), E - 1)
             ks = w % KS
             expert_item(w_gu, s_gu, x, epart + ks * (width * KE * 2 * I_E), ids, rows, e, d,
-                        ((w % TPE) // KS) * BLOCK_N, ks * KL, E, KE, I_E, H, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES,
-                        KL, K_PAD)
+                        ((w % TPE) // KS) * EBN, ks * KL, E, KE, I_E, H, ROWS_PAD, EBN, EBK, NUM_STAGES, KL, K_PAD)
             w += a1
     elif ok != 0:
         v, first, rank = _distinct_experts(ids, rows, E, KE, ROWS_PAD, K_PAD)
@@ -432,8 +445,7 @@ def expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a4, rdy, pid, ta
             e = tl.sum(tl.where(first & (rank == d), v, 0), axis=0)
             ks = w % KS
             expert_item(w_gu, s_gu, x, epart + ks * (width * KE * 2 * I_E), ids, rows, e, -1,
-                        ((w % TPE) // KS) * BLOCK_N, ks * KL, E, KE, I_E, H, ROWS_PAD, BLOCK_N, BLOCK_K, NUM_STAGES,
-                        KL, K_PAD)
+                        ((w % TPE) // KS) * EBN, ks * KL, E, KE, I_E, H, ROWS_PAD, EBN, EBK, NUM_STAGES, KL, K_PAD)
             w += a1
     trace_mark(hdr, pid, 1)                                          # the slot's partial tiles are stored
     if ok != 0:

@@ -23,7 +23,7 @@ import os
 import torch
 
 from ..kernels.moe import pack_experts
-from .ffn_tasks import ACT_COLS, ROUTER_BLOCK_E, router_rck
+from .ffn_tasks import ACT_COLS, ROUTER_BLOCK_E, expert_bn, router_rck
 from ..schedule import NOMINAL_GRID, choose_groups
 from .layer_host import KdaLayerLaunch
 
@@ -34,8 +34,9 @@ BLOCK_E = ROUTER_BLOCK_E   # experts per router tile
 # ended ~3 us after the last partial. Measured (H100, nineteenth session, two rounds): kda TP8 -1.2 us against 0,
 # the route's wait ending ~1 us after the last router partial (trace); sparse -0.3, nextn within the spread.
 ROUTE_CLEAR = int(os.environ.get("GLM53_ROUTE_CLEAR", "4"))
-# GLM53_PEER_D_EARLY=0 (A/B timings) adds the loopback peer_d stores in the down_join stage, as before.
-PEER_D_EARLY = os.environ.get("GLM53_PEER_D_EARLY", "1") != "0"
+# GLM53_PEER_D_EARLY=1 (A/B timings, with GLM53_SCHED_FILLER=1; default off, see schedule.FILLER_EARLY) adds the
+# loopback peer_d stores to the route stage instead of the down_join stage.
+PEER_D_EARLY = os.environ.get("GLM53_PEER_D_EARLY", "0") == "1"
 ROUTER_PARTS = 16   # K ranges of the router GEMV, 256 columns each (4 parts: 72 tasks of 64 KB, ~30 us traced)
 
 
@@ -101,7 +102,8 @@ class KdaLaunch(KdaLayerLaunch):
         # gate|up K slices of the shared expert and of one row's expert slots (KE x I_E / BLOCK_N tiles: the
         # count of a single row, so every width gets the same split and the same bits)
         self.ks_gu = self.k_split_for(self.I, self.H, 2 * self.W_g.element_size())
-        self.ks_e = self.k_split_for(self.KE * self.I_E, self.H, 2 * self.w_gu.element_size())
+        self.e_bn = expert_bn(self.block_n)                 # an expert item's gate rows (ffn_tasks.EXPERT_DIV)
+        self.ks_e = self.k_split_for(self.KE * self.I_E, self.H, 2 * self.w_gu.element_size(), self.e_bn)
         # moe_down: each tile's KE + 1 expert GEMVs in groups over more CTAs, joined in down_join
         self.kg = self.down_groups or choose_groups(-(-self.H // self.block_n), self.KE + 1,
                                                      self.block_n * self.I_E * self.w_de.element_size())
@@ -116,7 +118,7 @@ class KdaLaunch(KdaLayerLaunch):
         run time; the graph is static, so slot q takes items q, q + slots, ... of those there are. As many
         slots as one row's items (every slot one item at 1 row, as before) or one wave of the nominal grid,
         whichever is more, and never more than the most items there can be (every row's picks distinct)."""
-        items = -(-self.I_E // self.block_n) * self.ks_e
+        items = -(-self.I_E // self.e_bn) * self.ks_e
         most = min(self.width * self.KE, self.E) * items
         slots = min(most, max(self.KE * items, NOMINAL_GRID))
         return slots, -(-most // slots)
@@ -164,7 +166,7 @@ class KdaLaunch(KdaLayerLaunch):
         n_slots, per_slot = self.expert_slots()
         for q in range(n_slots):
             g.add("expert", (q, n_slots, 0, 0, q), reads=("sel",), writes=("xe",),
-                  nbytes=per_slot * 2 * BN * H * wbe // self.ks_e)
+                  nbytes=per_slot * 2 * self.e_bn * H * wbe // self.ks_e)
         self.n_box["xe"] = n_slots
         n = self.KE * self.I_E
         if not self.act_fold:

@@ -503,10 +503,12 @@ class KdaLayerLaunch(Launch):
             producer += 1
         return producer
 
-    def k_split_for(self, N: int, K: int, wbytes: int) -> int:
-        """schedule.py choose_k_split for an N x K weight of wbytes per element in this launch's tiles."""
-        step = self.block_n * min(self.block_k, 128) * wbytes
-        return choose_k_split(-(-N // self.block_n), K // min(self.block_k, 128), step)
+    def k_split_for(self, N: int, K: int, wbytes: int, block_n: int | None = None) -> int:
+        """schedule.py choose_k_split for an N x K weight of wbytes per element in this launch's tiles (or tiles of
+        block_n rows)."""
+        bn = block_n or self.block_n
+        step = bn * min(self.block_k, 128) * wbytes
+        return choose_k_split(-(-N // bn), K // min(self.block_k, 128), step)
 
     def _row_group_tasks(self, g, fam, ranges, nbytes, **kw) -> int:
         """Tasks (t0, n tiles, producer, first row, rows) of a row-walking stage (part, post1, post2): one per tile
