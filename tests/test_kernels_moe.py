@@ -350,7 +350,7 @@ def _router_slice_kernel(wr, x, part, rows, k0, k1, E: tl.constexpr, H: tl.const
 @pytest.mark.parametrize("rows", [1, 3, 8], ids=lambda r: f"rows{r}")
 def test_router_slice_partial(rows, gen, one_thread):
     """The launches' router partial in its slice form (kernels/moe.py router_slice_partial; launches/ffn_tasks.py
-    ROUTER_SLICE): two CK-wide register tiles cover the K range [k0, k1) (here 48 of 64 columns, the second tile
+    router_task): two CK-wide register tiles cover the K range [k0, k1) (here 48 of 64 columns, the second tile
     half masked), 40 experts over two 32-expert tiles (the second mostly past E): the fp32 logits of each row
     within fp32 rounding of x @ W^T, rows past `rows` and columns past E untouched (NaN-poisoned), and each row's
     bits the same whatever the row count (it is computed alone in every case)."""

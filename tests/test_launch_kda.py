@@ -147,23 +147,18 @@ def test_kda_oproj_k_slices(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, m
     check_step(L, out, S, W, tiny_ref, caches, KDA_LAYER, X, TOL_BF16, label="oproj-k-slices")
 
 
-@pytest.mark.parametrize("form", ["steps", "slice"])
-def test_kda_router_wide_chunks(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch, form):
-    """router_ck 64 (GLM53_ROUTER_CK=64), with 2 router K ranges: the step form (GLM53_ROUTER_SLICE=0: the register
-    prefetch and K step 64 columns wide, each task walking several 64-column steps after its first) and the slice form
-    (two register tiles of at least 64 columns a range): the routing record equals the reference router on the
-    launch's own gate row, and the layer matches the reference (NaN-poisoned scratch)."""
-    import triton.language as tl
-    import glm53_flash.launches.ffn_tasks as ffn_tasks
+def test_kda_router_wide_chunks(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, monkeypatch):
+    """router_ck 64 (the router tiles' least width), with 2 router K ranges: two register tiles of at least 64
+    columns a range; the routing record equals the reference router on the launch's own gate row, and the layer
+    matches the reference (NaN-poisoned scratch)."""
     import glm53_flash.launches.kda as kda_mod
     monkeypatch.setattr(KdaLaunch, "router_ck", 64)
     monkeypatch.setattr(kda_mod, "ROUTER_PARTS", 2)
-    monkeypatch.setattr(ffn_tasks, "ROUTER_SLICE", tl.constexpr(form == "slice"))    # the interpreter reads it live
     X, caches = make_step(tiny_cfg, tiny_ref, KDA_LAYER, 2, gen)
     S, W = rank_state(tiny_cfg, caches, KDA_LAYER)
     L = KdaLaunch(tiny_cfg, tiny_weights, KDA_LAYER, width=2)
     assert L.r_split % 64 == 0 and L.r_split > 64 and L.nrpart == -(-L.H // L.r_split)
-    assert L.router_ck == 64 if form == "steps" else L.router_ck >= 64 and 2 * L.router_ck >= L.r_split
+    assert L.router_ck >= 64 and 2 * L.router_ck >= L.r_split
     poison_scratch(L)
     out = L.run(X, S, W)
     check_routing(L, 2)

@@ -30,20 +30,19 @@ import os
 import triton
 import triton.language as tl
 
-from sync.asm import fence_acq_rel, in_interpreter
+from sync.asm import fence_acq_rel
 from sync.device import const_word, trace_mark
 
 from ..kernels.gemv import gemv_store, gemv_store_at, gemv_stream, plane_sum
 from ..kernels.mlp import swiglu_clamped
-from ..kernels.moe import (ROUTER_CK as MOE_ROUTER_CK, moe_down_group, router_bias, router_finish, router_logits,
-                           router_prefetch, router_slice_partial, router_store_partial, router_store_record,
+from ..kernels.moe import (ROUTER_CK as MOE_ROUTER_CK, moe_down_group, router_bias, router_logits,
+                           router_prefetch, router_slice_partial, router_store_record,
                            router_topk)
 from .ffn import (B_A, B_CF2, B_DP, B_H, B_HG, B_RL, B_SEL, B_XE, M_A, M_ACT_CTA, M_ACT_FOLD, M_ACTE, M_COEF2, M_DPART,
                   M_EPART, M_H, M_HPART, M_IDS, M_NRPART, M_PART_R, M_RW, M_SITE_XD, M_XMID, M_Y2, _rank_sum_tiles,
                   act_at, add_cols, f32_at, gemv_tile, i32_at, l2_prefetch_rows, post_cols,
                   sig_words, signal_at, waitb, waitb2, warm_before)
 from .mixer_kda import xchg_publish
-from .tail import prefetch_l2
 
 FFN_BASE = tl.constexpr(40)
 FFN_FAMILIES = {"gu": 40, "act": 41, "router": 42, "expert": 43, "down": 44, "moe_down": 45, "post2": 46,
@@ -66,21 +65,13 @@ ACT_COLS = 256              # act columns per task (expert activations) and per 
 ACT_BLOCK = tl.constexpr(ACT_COLS)
 ROUTER_BLOCK_E = 32         # experts per router task (launches/kda.py _ffn_graph): 144 tasks of 32 KB at E = 288,
                             # one wave on 264 CTAs (16: 288 tasks, 24 CTAs ran two in a row, +6 us traced)
-# Router K step of the launches (kernels/moe.py _router_chunk; default the standalone kernel's ROUTER_CK): the first
-# chunk is a register prefetch held across the a wait. GLM53_ROUTER_CK (A/B timings): 32 (8 registers a thread held
-# across the wait) or 64 (16). The launches read it through their router_ck attribute (layer_host.py).
-ROUTER_CK = int(os.environ.get("GLM53_ROUTER_CK", str(MOE_ROUTER_CK)))
-if ROUTER_CK not in (32, 64):
-    raise ValueError(f"GLM53_ROUTER_CK={ROUTER_CK} must be 32 or 64")
-# GLM53_ROUTER_PF=1 (A/B timings): a router task moves the rest of its K slice (its 32 rows' 1 KB at TP8) toward L2
-# before its a wait, so the K steps after the wait read L2, not HBM (4.7 MB in all, while the KDA / o_proj chain
-# runs, which streams little)
-ROUTER_PF: tl.constexpr = tl.constexpr(os.environ.get("GLM53_ROUTER_PF", "") == "1")
-ROUTER_PF_LINES = tl.constexpr(8)   # 128-byte lines a row: the router's fp32 K slice at 16 K ranges of H 4096
-# GLM53_ROUTER_SLICE (default 1; 0 = the step form, for A/B timings): a router task loads its whole K range's
-# weights (32 experts x 256 columns fp32 at H 4096: 64 registers a thread) before its a wait and, after it, one fp32
-# dot a row (kernels/moe.py router_slice_partial); RCK is then the width of its two tiles (router_rck)
-ROUTER_SLICE: tl.constexpr = tl.constexpr(os.environ.get("GLM53_ROUTER_SLICE", "1") == "1")
+# The router partial's slice form (kernels/moe.py router_slice_partial): a router task loads its whole K range's
+# weights (32 experts x 256 columns fp32 at H 4096: two [32, 128] tiles, 64 registers a thread) before its a wait and,
+# after it, one fp32 dot a row. RCK is the width of the two tiles (router_rck); the launches' router_ck (layer_host.py,
+# ROUTER_MIN_CK by default) is the least tile width. The step form (MMA steps after the wait; switches
+# GLM53_ROUTER_SLICE / _CK / _PF) was dropped in the nineteenth session: -2.8 / -3.6 us kda TP8 1 row, -5.0 at 8 rows
+# for the slice form (bench/RESULTS.md); the standalone router kernel (kernels/moe.py) keeps its own step loop.
+ROUTER_MIN_CK = MOE_ROUTER_CK
 # GLM53_EXPERT_DIV=2 (A/B timings; default 1): expert items of BLOCK_N / 2 gate and as many up rows with twice the K
 # step, so a pipeline stage holds the same 16 KB and every weight row is read in 256-byte pieces (bf16) instead of
 # 128: the expert stream reached ~2.0 TB/s on the H100 where in_proj (256-byte pieces) reached ~2.6. The K split is
@@ -95,12 +86,10 @@ def expert_bn(block_n: int) -> int:
     return block_n // EXPERT_DIV.value
 
 
-def router_rck(H: int, parts: int, ck: int = ROUTER_CK) -> int:
-    """The kernels' RCK for hidden size H over `parts` router K ranges: with ROUTER_SLICE the width of the two register
-    tiles that cover one K range (a power of two, at least ck; the ranges, rounded up to a multiple of it, then span
-    at most two: 128 at H 4096), else the K step ck."""
-    if not ROUTER_SLICE:
-        return ck
+def router_rck(H: int, parts: int, ck: int = ROUTER_MIN_CK) -> int:
+    """The kernels' RCK for hidden size H over `parts` router K ranges: the width of the two register tiles that
+    cover one K range (a power of two, at least ck; the ranges, rounded up to a multiple of it, then span at most
+    two: 128 at H 4096)."""
     span = -(-(-(-H // parts)) // ck) * ck
     return max(ck, triton.next_power_of_2(span) // 2)
 
@@ -285,37 +274,24 @@ def post2_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, 
 def router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns, fault_site,
                 E: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RCK: tl.constexpr,
                 NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr):
-    """Router logit partial: experts [a0, a0 + BLOCK_E), K range [a1, a2), K part a4, producer a3 of rl.
-    ROUTER_SLICE: two RCK-wide tiles cover the K range, all in registers before the wait. -> (ok, rdy)."""
+    """Router logit partial: experts [a0, a0 + BLOCK_E), K range [a1, a2), K part a4, producer a3 of rl: two
+    RCK-wide tiles cover the K range, both in registers before the wait. -> (ok, rdy)."""
     w0 = router_prefetch(W_r, a0, a1, a2, E, H, BLOCK_E, RCK)
-    if ROUTER_SLICE:
-        w1 = router_prefetch(W_r, a0, a1 + RCK, a2, E, H, BLOCK_E, RCK)      # the range's second tile
-    if ROUTER_PF and not ROUTER_SLICE:
-        if not in_interpreter():
-            offs_e = a0 + tl.arange(0, BLOCK_E)
-            offs_l = a1 + RCK + tl.arange(0, ROUTER_PF_LINES) * 32              # fp32: 32 a line; chunk 0 is w0
-            prefetch_l2(W_r + offs_e[:, None].to(tl.int64) * H + offs_l[None, :],
-                        (offs_e[:, None] < E) & (offs_l[None, :] < a2))
+    w1 = router_prefetch(W_r, a0, a1 + RCK, a2, E, H, BLOCK_E, RCK)          # the range's second tile
     x = act_at(scratch, meta, M_A, ACT_F32)                             # meta words before the wait (see waitb)
     part = f32_at(scratch, meta, M_PART_R) + a4 * width * E
     sb, sw, ss = sig_words(scratch, meta, B_RL)
-    if ROUTER_SLICE:
-        # two passes of one copy of the code: a dry run before the wait (its code warm, nothing stored: ffn.WARM_CODE;
-        # the weights are already in registers, so it reads only x), then the real one
-        ok = 1
-        it = tl.where(warm_before(rdy, B_A), 0, 1)
-        while it < 2:
-            if it == 1:
-                ok, rdy = waitb(scratch, meta, B_A, rdy, pid, tag, hdr, timeout_ns)
-            if ok != 0:
-                router_slice_partial(part, w0, w1, x, H, tl.where(it == 1, rows, 1), a0, a1, a2, E, it, ROWS_PAD,
-                                     BLOCK_E, RCK)
-            it += 1
-    else:
-        ok, rdy = waitb(scratch, meta, B_A, rdy, pid, tag, hdr, timeout_ns)
+    # two passes of one copy of the code: a dry run before the wait (its code warm, nothing stored: ffn.WARM_CODE;
+    # the weights are already in registers, so it reads only x), then the real one
+    ok = 1
+    it = tl.where(warm_before(rdy, B_A), 0, 1)
+    while it < 2:
+        if it == 1:
+            ok, rdy = waitb(scratch, meta, B_A, rdy, pid, tag, hdr, timeout_ns)
         if ok != 0:
-            lg = router_finish(w0, W_r, x, H, rows, a0, a1, a2, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES)
-            router_store_partial(part, lg, rows, a0, E, ROWS_PAD, BLOCK_E)
+            router_slice_partial(part, w0, w1, x, H, tl.where(it == 1, rows, 1), a0, a1, a2, E, it, ROWS_PAD,
+                                 BLOCK_E, RCK)
+        it += 1
     if ok != 0:
         signal_at(sb, sw, ss, a3, tag, fault_site)
     return ok, rdy

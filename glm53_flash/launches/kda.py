@@ -95,7 +95,7 @@ class KdaLaunch(KdaLayerLaunch):
         # router K ranges: the fp32 router weight (4.7 MB at E = 288) over E / BLOCK_E x ROUTER_PARTS tasks;
         # a fixed count, not one derived from the grid, so the partials' join order (bits) is the same on
         # every grid
-        self.router_ck = router_rck(self.H, ROUTER_PARTS, self.router_ck)     # slice form: 2 tiles cover a range
+        self.router_ck = router_rck(self.H, ROUTER_PARTS, self.router_ck)     # 2 tiles cover a range
         split = -(-(-(-self.H // ROUTER_PARTS)) // self.router_ck) * self.router_ck
         self.r_split = split
         self.nrpart = -(-self.H // split)

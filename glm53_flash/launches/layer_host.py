@@ -30,7 +30,7 @@ from ..schedule import NOMINAL_GRID, TASK_COST_FLOOR, TaskGraph, choose_groups, 
 from ..weights import PREFIX, weight_specs
 from .base import Launch, check_rank_width, interpreting, run_interleaved
 from .ffn import BOX_BASE_H as BOX_BASE
-from .ffn_tasks import ROUTER_BLOCK_E, ROUTER_CK
+from .ffn_tasks import ROUTER_BLOCK_E, ROUTER_MIN_CK
 from .kda_layer import BOXES, FAMILIES, META, META_WORDS, ROWS_REGIONS, kda_layer_kernel
 from .mixer_kda import TP_MAX
 
@@ -133,8 +133,8 @@ class KdaLayerLaunch(Launch):
     # two CTAs per SM (128 registers, 4 warps: four would fit): twice the loads in flight per SM. kda TP1,
     # 1 row, bf16 on the H200: 518 us at 1 CTA per SM, 456 us at 2 (block_n 32: 660, 8 warps: 522)
     default_ctas_per_sm = 2
-    # the router's K step (ffn_tasks.ROUTER_CK, GLM53_ROUTER_CK): the kernel's RCK and the K ranges' rounding (kda.py)
-    router_ck: int = ROUTER_CK
+    # the router tiles' least width (ffn_tasks.router_rck): kda.py sets the kernel's RCK from it and rounds the K ranges
+    router_ck: int = ROUTER_MIN_CK
     NEXTN = False                 # the NextN block (launches/nextn.py) has no mHC: no coef tasks or waits
     # K splits the launch would otherwise choose from the shapes (schedule.py choose_groups); tests pin them, and
     # GLM53_OPROJ_SPLIT / GLM53_DOWN_GROUPS set them for A/B timings (1: unsplit, the builds before 2026-12-06)
