@@ -100,7 +100,7 @@ class Task:
     nbytes: int
     cta: int | None             # pinned CTA, or None
     clear: int = 0              # stages before its own that its CTA runs nothing new in (TaskGraph.add)
-    filler: bool = False        # placed after its stage's other tasks, on the CTAs free soonest (TaskGraph.add)
+    filler: bool = False        # add(filler=True) under FILLER_EARLY: placed by build()'s filler rule
 
     def label(self, cta: int | None = None) -> str:
         c = self.cta if cta is None else cta
@@ -128,8 +128,10 @@ class TaskGraph:
         of those stages: for a latency-critical task whose dry run (ffn.WARM_CODE) must end before its input
         arrives. Skipped on grids too small to spare the CTAs (CPU).
         filler: a task that waits on nothing and is not worth a CTA's balance (the loopback peers' stores): placed
-        after its stage's other tasks on the CTAs whose last task is of the earliest stage (build), never behind a
-        task of a later stage that waits, since what waits on a filler's output would wait for that task too.
+        after its stage's other tasks, never behind a task of its own stage (one that waits: what waits on the
+        filler's output would wait for that task too), behind one of the stage before only once the other CTAs
+        hold FILLER_LATE each, balanced by this stage's cost (build). Only
+        under FILLER_EARLY (GLM53_SCHED_FILLER=1, off by default: measured, no gain); else an ordinary task.
         stage: an earlier stage (an index `stage()` returned) to add the task to instead of the current one."""
         if not self.stage_names:
             raise ScheduleError(f"{self.kind}: add({family!r}) before any stage() call")

@@ -188,6 +188,5 @@ class KdaLaunch(KdaLayerLaunch):
                                       None, ret_ranges=True)
         else:
             ranges = self._moe_down_tasks(g, row_bytes, rd + self._hc_post_reads("cf2"), ("xd",), None)
-        # the loopback peers' xd stores in the route stage: the CTAs that take them then run expert slots, whose sel
-        # wait absorbs them (behind moe_down, H100 trace, they held post2's xd ~4 us past the last down tile)
+        # PEER_D_EARLY (A/B, off): the loopback peers' xd stores in the route stage, before the CTAs' expert slots
         self._down_sum(g, ranges, peer_stage=route_stage if PEER_D_EARLY else None)

@@ -536,10 +536,9 @@ class KdaLayerLaunch(Launch):
         return min(range(1, W + 1), key=lambda per: (-(-n * -(-W // per) // NOMINAL_GRID) * per, -per))
 
     def _peers(self, g, fam, ranges, region, stage: int | None = None) -> None:
-        """Loopback: the other ranks' partial tiles of `region`, stored by filler tasks (schedule.TaskGraph.add), so a
-        peer's part lands when a CTA first comes free, not behind a waiting task (kda TP8 trace: three peer_o
-        stores queued behind kda_norm held post1's xo ~5 us past the last o_proj tile). Real peers' stores cost
-        this rank's CTAs nothing."""
+        """Loopback: the other ranks' partial tiles of `region` (in `stage` if given), added as filler tasks
+        (schedule.TaskGraph.add): with GLM53_SCHED_FILLER=1 they never queue behind a waiting task of their stage;
+        by default (the rule gained nothing timed) they are placed by cost like any task."""
         if not self.loopback:
             return
         for p in range(self.tp_size):
