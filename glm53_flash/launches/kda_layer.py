@@ -15,7 +15,8 @@ tagged pairs across TP ranks; every wait is a named site `<kind>.<region>`):
   3 kda       [waits yin] (row, head, value block) tasks: conv + gate + delta rule into the SECOND
               state / window buffers; f and the output gate formed in-task from f_a / g_a. One block
               per head (BV = DV): the gated norm too -> o (bf16). Otherwise raw blocks -> oraw.
-  3b kda_norm [waits oraw] (BV < DV) joins the blocks' sums of squares, gated norm -> o.
+  3b kda_norm [waits yin, then oraw] (BV < DV) the block's output gate from yin before the oraw wait, then
+              joins the blocks' sums of squares, gated norm -> o.
   4 o_proj    [waits o] GEMV tiles over this rank's heads, in KS_O K slices (layer_host.py _oproj_split:
               4 at TP 1, 1 at TP > 1). TP 1, one slice: the tile's owner runs hc_post on its columns
               (X -> xmid) fused with the FFN hc_pre partials of the same columns (hp2). Otherwise the
@@ -54,6 +55,8 @@ dense / embed 196-238, no spills at TP1 / TP8, bf16 / FP8 (`python -m glm53_flas
 local memory (ptxas counts it as stack, not spill): the register of each CTA-wide reduction's predicated
 shared-memory load in a noinline family (route, gate, coef, post1, kda: 22 reloads in the kda TP8 kernel).
 """
+import os
+
 import triton
 import triton.language as tl
 
@@ -63,16 +66,16 @@ from .ffn import (B_AIN, B_O, COMMON_BOXES, COMMON_ROWS, M_AIN, M_HDR, M_ON, M_S
                   coef_task, f32_at, gate_task, gemv_tile, hc_pre_task, l2_prefetch_rows, meta_layout, oproj_task,
                   peer_task, post1_task, runtime_i32, sig_words, signal_at, task_entry, waitb, warm_before)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
-from .mixer_kda import kda_block, kda_norm_task, kda_prefetch
+from .mixer_kda import kda_block, kda_norm_gate, kda_norm_task, kda_prefetch
 
 FAMILIES = with_ffn_families({"part": 0, "gate1": 1, "inproj": 2, "kda": 3, "kda_norm": 4, "oproj": 5, "post1": 6,
                                "gate2": 7, "coef1": 8, "coef2": 9, "peer_o": 11, "peer_d": 12})
 BOXES = COMMON_BOXES + ("yin", "oraw")      # box b: meta words BOX_BASE + 4b .. = offset, words, producers, site
-ROWS_REGIONS = COMMON_ROWS + ("x0", "yin_rows", "oraw_rows", "ssq")
+ROWS_REGIONS = COMMON_ROWS + ("x0", "yin_rows", "oraw_rows", "ssq", "ogate")
 META, META_WORDS = meta_layout(BOXES, ROWS_REGIONS)
 
 B_YIN, B_ORAW = (tl.constexpr(BOXES.index(n)) for n in ("yin", "oraw"))
-M_X0, M_YIN, M_ORAW, M_SSQ = (tl.constexpr(META[n]) for n in ("x0", "yin_rows", "oraw_rows", "ssq"))
+M_X0, M_YIN, M_ORAW, M_SSQ, M_OGATE = (tl.constexpr(META[n]) for n in ("x0", "yin_rows", "oraw_rows", "ssq", "ogate"))
 
 
 @triton.jit
@@ -150,31 +153,56 @@ def _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, on
     return ok, rdy
 
 
+# kda_norm's output gate (g_b x yin) formed before its oraw wait, behind a yin wait (GLM53_KDA_GATE_EARLY=0: after
+# the oraw wait, as before; read at import, for A/B runs).
+GATE_EARLY: tl.constexpr = tl.constexpr(os.environ.get("GLM53_KDA_GATE_EARLY", "1") != "0")
+
+
 @triton.jit(noinline=True)
-def _kda_norm_body(g_b, onorm_w, yin, o, oraw, ssq, a0, a1, a2, PS, eps, D: tl.constexpr, NH: tl.constexpr,
+def _kda_norm_body(g_b, onorm_w, yin, o, oraw, ssq, ogate, a0, a1, a2, PS, eps, D: tl.constexpr, NH: tl.constexpr,
                    R: tl.constexpr, N_IN: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CK: tl.constexpr,
                    KS: tl.constexpr):
-    """kda_norm of row a0, head a1, block a2 (mixer_kda.kda_norm_task); noinline, run twice (see _kda_body)."""
-    kda_norm_task(a0, a1, a2 * BV, yin, g_b, onorm_w, o, oraw, ssq, eps, PS, D, NH, R, N_IN, DV, BV, CK, KS)
+    """kda_norm of row a0, head a1, block a2 (mixer_kda.kda_norm_task); noinline, run twice (see _kda_body). Its
+    gate: GATE_EARLY, the one _kda_norm_task left in ogate (a noinline function takes no tensor argument);
+    else formed here from yin."""
+    v0 = a1 * DV + a2 * BV
+    if GATE_EARLY:
+        gv = tl.load(ogate + a0 * D + v0 + tl.arange(0, BV), cache_modifier=".cg")
+    else:
+        gv = kda_norm_gate(a0, a1, a2 * BV, yin, g_b, PS, D, NH, R, N_IN, DV, BV, CK, KS)
+    kda_norm_task(a0, a1, a2 * BV, gv, onorm_w, o, oraw, ssq, eps, D, NH, DV, BV)
 
 
 @triton.jit(noinline=True)
 def _kda_norm_task(g_b, onorm_w, scratch, meta, rows, width, a0, a1, a2, a3, rdy, pid, tag, hdr, timeout_ns,
                    fault_site, eps, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr, N_IN: tl.constexpr,
                    DV: tl.constexpr, BV: tl.constexpr, CK: tl.constexpr, ACT_F32: tl.constexpr, KS: tl.constexpr):
-    """kda_norm: row a0, head a1, block a2 after the oraw wait, producer a3 of o. -> (ok, rdy)."""
+    """kda_norm: row a0, head a1, block a2, producer a3 of o. The gate needs only yin, complete before any KDA task
+    ends: under GATE_EARLY it is formed after a yin wait, before the oraw wait, into ogate (~1 us of the task's own
+    time off the path: H100 trace s19C, own 2.0 us after a wait of 18.4); after oraw only the join and the norm.
+    -> (ok, rdy)."""
     sb, sw, ss = sig_words(scratch, meta, B_O)
     yin = f32_at(scratch, meta, M_YIN)                                  # meta words before the wait (ffn.waitb)
     o = act_at(scratch, meta, M_ON, ACT_F32)
     oraw = f32_at(scratch, meta, M_ORAW)
     ssq = f32_at(scratch, meta, M_SSQ)
-    if warm_before(rdy, B_ORAW) & (a0 < rows):                          # the join's code, warm (ffn.WARM_CODE)
-        _kda_norm_body(g_b, onorm_w, yin, o, oraw, ssq, a0, a1, a2, width * N_IN, eps, D, NH, R, N_IN, DV, BV, CK, KS)
-    ok, rdy = waitb(scratch, meta, B_ORAW, rdy, pid, tag, hdr, timeout_ns)
+    ogate = f32_at(scratch, meta, M_OGATE)
+    PS = width * N_IN
+    ok = 1
+    if GATE_EARLY:
+        ok, rdy = waitb(scratch, meta, B_YIN, rdy, pid, tag, hdr, timeout_ns)
+        if (ok != 0) & (a0 < rows):
+            v0 = a1 * DV + a2 * BV
+            tl.store(ogate + a0 * D + v0 + tl.arange(0, BV),
+                     kda_norm_gate(a0, a1, a2 * BV, yin, g_b, PS, D, NH, R, N_IN, DV, BV, CK, KS))
+            tl.debug_barrier()          # the body's threads read it back (with oraw passed already: no wait between)
+    if ok != 0:
+        if warm_before(rdy, B_ORAW) & (a0 < rows):                      # the join's code, warm (ffn.WARM_CODE)
+            _kda_norm_body(g_b, onorm_w, yin, o, oraw, ssq, ogate, a0, a1, a2, PS, eps, D, NH, R, N_IN, DV, BV, CK, KS)
+        ok, rdy = waitb(scratch, meta, B_ORAW, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         if a0 < rows:
-            _kda_norm_body(g_b, onorm_w, yin, o, oraw, ssq, a0, a1, a2, width * N_IN, eps, D, NH, R, N_IN, DV, BV, CK,
-                           KS)
+            _kda_norm_body(g_b, onorm_w, yin, o, oraw, ssq, ogate, a0, a1, a2, PS, eps, D, NH, R, N_IN, DV, BV, CK, KS)
         signal_at(sb, sw, ss, a3, tag, fault_site)
     return ok, rdy
 

@@ -364,7 +364,8 @@ class KdaLayerLaunch(Launch):
             for r in range(W):
                 for h in range(self.NH):
                     for cb in range(NB):
-                        g.add("kda_norm", (r, h, cb, slot), reads=("oraw",), writes=("o",), nbytes=2 * self.R * self.BV)
+                        g.add("kda_norm", (r, h, cb, slot), reads=("yin", "oraw"), writes=("o",),
+                              nbytes=2 * self.R * self.BV)
                         slot += 1
             self.n_box["o"] = slot
         self._graph_oproj(g, self.D * 2)
@@ -557,6 +558,7 @@ class KdaLayerLaunch(Launch):
         pl.rows("yin_rows", (self.ks_in, W, self.N_IN), f32)
         pl.rows("oraw_rows", (W, D), f32)
         pl.rows("ssq", (W, self.NH, NB), f32)
+        pl.rows("ogate", (W, D), f32)                  # kda_norm's gates, formed before its oraw wait
         pl.rows("o_rows", (W, D), bf)
         self._plan_ffn_rows(pl)
         self._plan_boxes(pl)

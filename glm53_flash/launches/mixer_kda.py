@@ -116,12 +116,18 @@ def kda_prefetch(S_in, r, h, v0, NH: tl.constexpr, DK: tl.constexpr, DV: tl.cons
 
 
 @triton.jit
-def kda_norm_task(r, h, v0, yin, g_b, onorm_w, on, o_raw, ssq, eps, PS, D: tl.constexpr, NH: tl.constexpr,
-                  R: tl.constexpr, N_IN: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, CK: tl.constexpr,
-                  KS: tl.constexpr):
-    """Join of a head's block partial sums (block order) and the gated norm of block v0 of row r."""
+def kda_norm_gate(r, h, v0, yin, g_b, PS, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr, N_IN: tl.constexpr,
+                  DV: tl.constexpr, BV: tl.constexpr, CK: tl.constexpr, KS: tl.constexpr):
+    """The output gate's pre-activation g_b(g_a x) of block v0 of row r, head h: [BV] fp32. It needs only yin
+    (the inproj output), so the kda_norm task forms it before its oraw wait."""
+    return kda_lowrank(g_b, yin + r * N_IN + 3 * D + NH + R, h * DV + v0, R, BV, CK, PS, KS)
+
+
+@triton.jit
+def kda_norm_task(r, h, v0, gv, onorm_w, on, o_raw, ssq, eps, D: tl.constexpr, NH: tl.constexpr, DV: tl.constexpr,
+                  BV: tl.constexpr):
+    """Join of a head's block partial sums (block order) and the gated norm of block v0 of row r (gate gv)."""
     NB: tl.constexpr = DV // BV
-    gv = kda_lowrank(g_b, yin + r * N_IN + 3 * D + NH + R, h * DV + v0, R, BV, CK, PS, KS)
     kda_norm_block(o_raw + r * D, ssq + r * NH * NB, gv, onorm_w, on + r * D, on + r * D, h, v0, eps, NB, DV, BV,
                    False)
 
