@@ -203,7 +203,8 @@ def build_layer(kind: str, cfg, tp: int, rows: int, weights: str, device: str, o
     cls = {"embed": EmbedLaunch, "dense": DenseLaunch, "kda": KdaLaunch, "sparse": SparseLaunch,
            "nextn": NextnLaunch}[kind]
     layer = lbytes.layer_of(cfg, kind)
-    lkw = {k: v for k, v in o.items() if k in ("grid", "num_warps", "block_n", "block_k", "num_stages") and v is not None}
+    lkw = {k: v for k, v in o.items() if k in ("grid", "num_warps", "block_n", "block_k", "num_stages", "block_v")
+           and v is not None}
     launches, bases, fns, bfns = [], [], [], []
     info: dict = {"fmt": fmt, "copies": copies, "timing": mode}
     n_routed, err = None, {}
@@ -272,6 +273,7 @@ def build_layer(kind: str, cfg, tp: int, rows: int, weights: str, device: str, o
     nbytes = sum(acct.values())
     L0 = launches[0]
     info.update({"grid": L0.grid, "warps": L0.num_warps, "block_n": L0.block_n,
+                 **({"block_v": L0.BV} if kind in ("embed", "dense", "kda") else {}),
                  **{k: f"{v:.1e}" for k, v in err.items()}})
     if base is not None and getattr(bases[0].ffn, "mode", None):
         info["moe"] = bases[0].ffn.mode
@@ -496,7 +498,7 @@ def build_kind(kind, cfg, args, device):
         return cases, {"bytes": {"lm_head + norm + X": cases[0].bytes_read}, "copies": len(cases[0].fns),
                        "timing": "rotate"}
     opts = dict(pos=args.pos, dry=args.dry_run, max_copies=args.max_copies, num_warps=args.num_warps,
-                block_n=args.block_n, block_k=args.block_k, num_stages=args.num_stages,
+                block_n=args.block_n, block_k=args.block_k, num_stages=args.num_stages, block_v=args.block_v,
                 grid=(args.ctas_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
                       if args.ctas_per_sm and not args.dry_run else None))
     return build_layer(kind, cfg, args.tp, args.rows, args.weights, device, opts)
@@ -568,6 +570,10 @@ def main(argv=None) -> int:
     ap.add_argument("--block-k", type=int, default=None, help="K chunk per pipelined GEMV step (layer kinds: "
                     "128 by default; 256 streams two 128-wide MMA chunks a step, half the steps and barriers)")
     ap.add_argument("--num-stages", type=int, default=None, help="tail / layer kinds: GEMV software-pipeline depth")
+    ap.add_argument("--block-v", type=int, default=None,
+                    help="embed / dense / kda: value rows per KDA task (default: the launch's, 32 at head dim 128; "
+                         "a power of two >= 16 dividing the head dim; below the head dim a kda_norm stage joins the "
+                         "blocks). The bits depend on it")
     ap.add_argument("--ctas-per-sm", type=int, default=None,
                     help="tail / layer kinds: persistent grid = this many CTAs per SM (default: the launch's; "
                          "a grid that cannot be co-resident is refused)")
@@ -575,6 +581,8 @@ def main(argv=None) -> int:
                     help="tail: columns of each row of a CTA's first tile moved toward L2 before its xn wait "
                          "(default: the launch's, 256)")
     args = ap.parse_args(argv)
+    if args.block_v is not None and args.kind not in ("embed", "dense", "kda"):
+        ap.error(f"--block-v {args.block_v}: --kind {args.kind} has no KDA mixer (embed, dense, kda)")
     if args.l2_prefetch_k is not None and (args.kind != "tail" or args.l2_prefetch_k < 1):
         ap.error(f"--l2-prefetch-k {args.l2_prefetch_k}: a positive column count, for --kind tail")
     try:

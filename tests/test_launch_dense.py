@@ -151,6 +151,62 @@ def test_dense_exact_with_fp32_handoffs_and_block_split(tiny_cfg, tiny_weights, 
     check_step(L, out, S, W, tiny_ref, caches, DENSE_LAYER, X, TOL_F32, label="fp32-bv32")
 
 
+_GATE_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, "tests")
+from glm53_flash.config import preset
+from glm53_flash.launches.dense import DenseLaunch
+from glm53_flash.reference.model import ReferenceModel
+from glm53_flash.weights import RandomWeights
+from sync import HandoffTimeout
+from test_launch_dense import DENSE_LAYER, make_step, poison_scratch, rank_state
+torch.set_num_threads(1)
+cfg = preset("tiny")
+w = RandomWeights(cfg, seed=0, cache=True)
+X, caches = make_step(cfg, ReferenceModel(cfg, w), DENSE_LAYER, 2, torch.Generator().manual_seed(11))
+S, W = rank_state(cfg, caches, DENSE_LAYER)
+L = DenseLaunch(cfg, w, DENSE_LAYER, width=2, block_v=32)
+poison_scratch(L)
+faults = {}
+for site in ("dense.yin", "dense.oraw"):
+    try:
+        L.run(X, S.clone(), W.clone(), inject_fault=site)
+        faults[site] = "no timeout"
+    except HandoffTimeout as e:
+        faults[site] = str(e)
+out = L.run(X, S, W)
+torch.save({"out": out, "S": S, "W": W}, sys.argv[1])
+print(json.dumps(faults))
+"""
+
+
+def test_kda_norm_gate_early_same_bits(tmp_path):
+    """kda_norm's output gate formed before its oraw wait, behind a yin wait (GLM53_KDA_GATE_EARLY=1, read at
+    import: one subprocess a value) gives the same bits as the gate formed after it (=0): the same operations on
+    the same values, earlier. The column-block KDA (block_v=32, so a kda_norm stage) with bf16 hand-offs,
+    NaN-poisoned scratch, and a fault at yin and at oraw named in both (every site: the fault tests, default)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = {}
+    for v in ("0", "1"):
+        env = dict(os.environ, GLM53_KDA_GATE_EARLY=v, TRITON_INTERPRET="1",
+                   PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        p = subprocess.run([sys.executable, "-c", _GATE_SCRIPT, str(tmp_path / f"g{v}.pt")], env=env, cwd=root,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        faults = json.loads(p.stdout.strip().splitlines()[-1])
+        for site, msg in faults.items():
+            assert f"wait site '{site}'" in msg, (v, site, msg)
+        res[v] = torch.load(tmp_path / f"g{v}.pt")
+    for k in ("out", "S", "W"):
+        assert bool(torch.isfinite(res["1"][k]).all()), k
+        assert torch.equal(res["0"][k], res["1"][k]), k
+
+
 def test_dense_batch_invariance_and_determinism(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread):
     # a row's bits do not depend on the width, the other rows or the grid (join orders are per column
     # tile, not per task), and a launch repeats bit for bit

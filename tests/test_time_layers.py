@@ -55,14 +55,24 @@ def test_dry_run_step_every_kind():
 
 @pytest.mark.parametrize("args", [("--kind", "nextn", "--tp", "2", "--rows", "2", "--weights", "fp8"),
                                   ("--kind", "sparse", "--rows", "4", "--pos", "26", "--experts", "4"),
-                                  ("--kind", "kda", "--block-k", "256", "--num-stages", "3")],
-                         ids=["nextn-tp2-rows2-fp8", "sparse-rows4-pos26-e4", "kda-bk256-s3"])
+                                  ("--kind", "kda", "--block-k", "256", "--num-stages", "3"),
+                                  ("--kind", "dense", "--block-v", "16")],
+                         ids=["nextn-tp2-rows2-fp8", "sparse-rows4-pos26-e4", "kda-bk256-s3", "dense-bv16"])
 def test_dry_run_options(args):
     rec = dry(*args)
     rows = [r for r in rec["rows"] if "err" in r]
     assert rows and all(float(r["err"]) < TOL for r in rows), rows
+    if "--block-v" in args:             # the launch took it (a kda_norm stage of 4 blocks a head at head dim 64)
+        assert all(r["block_v"] == 16 for r in rows), rows
     if "--experts" in args:
         assert rec["experts"] == 4 and rec["accounting"]["sparse"]["n_routed"] <= 4
+
+
+def test_block_v_refused_without_a_kda_mixer():
+    p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "time_layers.py"), "--kind", "sparse", "--block-v", "16",
+                        "--dry-run"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1"))
+    assert p.returncode == 2 and "--kind sparse has no KDA mixer" in p.stderr, p.stderr[-2000:]
 
 
 def test_kda_bytes_hand_count():
