@@ -161,6 +161,13 @@ def _slice_x(x, stride_x, r: tl.constexpr, rows, k, k1, ROWS_PAD: tl.constexpr, 
 
 
 @triton.jit
+def _slice_x2(x, stride_x, r: tl.constexpr, rows, k0, k1, ROWS_PAD: tl.constexpr, CK: tl.constexpr):
+    """Row r's two CK-wide x tiles at k0 and k0 + CK (_slice_x): a router partial's whole K range."""
+    return (_slice_x(x, stride_x, r, rows, k0, k1, ROWS_PAD, CK),
+            _slice_x(x, stride_x, r, rows, k0 + CK, k1, ROWS_PAD, CK))
+
+
+@triton.jit
 def _pick8(r, v0, v1, v2, v3, v4, v5, v6, v7):
     """v_r of eight same-shape tiles (r a runtime row index < 8): selects in registers, one copy of the row code."""
     a = tl.where(r == 0, v0, v1)
@@ -187,22 +194,14 @@ def router_slice_partial(part, w0, w1, x, stride_x, rows, e0, k0, k1, E, live, R
     offs_e = e0 + tl.arange(0, BLOCK_E // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]       # [BLOCK_E / 4, 4]
     w0 = tl.reshape(w0, [BLOCK_E // 4, 4, CK])          # row j = 4 i + (j % 4): the warp index last, as held
     w1 = tl.reshape(w1, [BLOCK_E // 4, 4, CK])
-    xa0 = _slice_x(x, stride_x, 0, rows, k0, k1, ROWS_PAD, CK)
-    xb0 = _slice_x(x, stride_x, 0, rows, k0 + CK, k1, ROWS_PAD, CK)
-    xa1 = _slice_x(x, stride_x, 1, rows, k0, k1, ROWS_PAD, CK)
-    xb1 = _slice_x(x, stride_x, 1, rows, k0 + CK, k1, ROWS_PAD, CK)
-    xa2 = _slice_x(x, stride_x, 2, rows, k0, k1, ROWS_PAD, CK)
-    xb2 = _slice_x(x, stride_x, 2, rows, k0 + CK, k1, ROWS_PAD, CK)
-    xa3 = _slice_x(x, stride_x, 3, rows, k0, k1, ROWS_PAD, CK)
-    xb3 = _slice_x(x, stride_x, 3, rows, k0 + CK, k1, ROWS_PAD, CK)
-    xa4 = _slice_x(x, stride_x, 4, rows, k0, k1, ROWS_PAD, CK)
-    xb4 = _slice_x(x, stride_x, 4, rows, k0 + CK, k1, ROWS_PAD, CK)
-    xa5 = _slice_x(x, stride_x, 5, rows, k0, k1, ROWS_PAD, CK)
-    xb5 = _slice_x(x, stride_x, 5, rows, k0 + CK, k1, ROWS_PAD, CK)
-    xa6 = _slice_x(x, stride_x, 6, rows, k0, k1, ROWS_PAD, CK)
-    xb6 = _slice_x(x, stride_x, 6, rows, k0 + CK, k1, ROWS_PAD, CK)
-    xa7 = _slice_x(x, stride_x, 7, rows, k0, k1, ROWS_PAD, CK)
-    xb7 = _slice_x(x, stride_x, 7, rows, k0 + CK, k1, ROWS_PAD, CK)
+    xa0, xb0 = _slice_x2(x, stride_x, 0, rows, k0, k1, ROWS_PAD, CK)      # every row's x, loaded together
+    xa1, xb1 = _slice_x2(x, stride_x, 1, rows, k0, k1, ROWS_PAD, CK)
+    xa2, xb2 = _slice_x2(x, stride_x, 2, rows, k0, k1, ROWS_PAD, CK)
+    xa3, xb3 = _slice_x2(x, stride_x, 3, rows, k0, k1, ROWS_PAD, CK)
+    xa4, xb4 = _slice_x2(x, stride_x, 4, rows, k0, k1, ROWS_PAD, CK)
+    xa5, xb5 = _slice_x2(x, stride_x, 5, rows, k0, k1, ROWS_PAD, CK)
+    xa6, xb6 = _slice_x2(x, stride_x, 6, rows, k0, k1, ROWS_PAD, CK)
+    xa7, xb7 = _slice_x2(x, stride_x, 7, rows, k0, k1, ROWS_PAD, CK)
     r = 0
     while r < tl.minimum(rows, ROWS_PAD):
         xa = _pick8(r, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7).to(tl.float32)

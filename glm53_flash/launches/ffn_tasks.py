@@ -273,7 +273,7 @@ def post2_task(X_out, xd, scratch, meta, rows, width, tp_rank, tp_size, a0, a1, 
 @triton.jit(noinline=True)
 def router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns, fault_site,
                 E: tl.constexpr, H: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RCK: tl.constexpr,
-                NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr):
+                ACT_F32: tl.constexpr):
     """Router logit partial: experts [a0, a0 + BLOCK_E), K range [a1, a2), K part a4, producer a3 of rl: two
     RCK-wide tiles cover the K range, both in registers before the wait. -> (ok, rdy)."""
     w0 = router_prefetch(W_r, a0, a1, a2, E, H, BLOCK_E, RCK)
@@ -588,7 +588,7 @@ def ffn_task(fam, a0, a1, a2, a3, a4, ok, rdy, pid, tag, hdr, timeout_ns, fault_
     elif fam == 42:                                    # router: experts [a0, +BLOCK_E), k in [a1, a2), producer a3
         if MOE:
             ok, rdy = router_task(W_r, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy, pid, tag, hdr, timeout_ns,
-                                  fault_site, E, H, ROWS_PAD, BLOCK_E, RCK, NUM_STAGES, ACT_F32)
+                                  fault_site, E, H, ROWS_PAD, BLOCK_E, RCK, ACT_F32)
     elif fam == 43:                                    # expert slot a0 of a1 (its items), producer a4
         if MOE:
             ok, rdy = expert_task(w_gu, s_gu, scratch, meta, rows, width, a0, a1, a4, rdy, pid, tag, hdr, timeout_ns,
