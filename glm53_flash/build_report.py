@@ -118,7 +118,8 @@ def dsa_spec(kind: str, tp: int, fp8: bool, warps: int = 4, block_t: int | None 
     from .schedule import choose_k_split
     ks = k_splits(real, fp8, tp, NH * 256, 1 if fp8 else 2)
     real.update(KS_GU=ks["KS_GU"], KS_E=ks["KS_E"], KG=ks["KG"], KS_O=ks["KS_O"], Q_PAD=2048, C_PAD=512, NI_PAD=32,
-                KS_A=choose_k_split(-(-2336 // 64), 4096 // 128, 64 * 128 * (1 if fp8 else 2)))   # sparse.py ks_a
+                KS_A=choose_k_split(-(-2336 // 64), 4096 // 128, 64 * 128 * (1 if fp8 else 2)),   # sparse.py ks_a
+                KS_EH=choose_k_split(4096 // 64, 8192 // 128, 64 * 128 * 2) if kind == "nextn" else 1)  # ks_eh (bf16)
     del real["MOE"]
     if set(real) != set(const):
         raise RuntimeError(f"sparse_layer_kernel's constexprs changed: {sorted(set(real) ^ set(const))}")

@@ -34,6 +34,20 @@ def rms_row(src, w, dst, eps, N: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def rms_row_planes(src, plane_stride, KS: tl.constexpr, joined, w, dst, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    """rms_row of the row that KS split-K planes of a GEMV add up to (src: plane 0, planes plane_stride apart, added
+    in plane order, as kernels/gemv.py plane_sum): the sum is stored to `joined` (fp32: what the residual reads
+    later) and normalised into dst; every plane's load in one batch (one round trip)."""
+    tl.static_assert(N <= BLOCK)
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    x = plane_sum(src, offs, m, plane_stride, KS)
+    wv = tl.load(w + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(joined + offs, x, mask=m)
+    tl.store(dst + offs, (_rms(x, N, eps) * wv).to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _rms(x, N: tl.constexpr, eps):
     """x / sqrt(mean(x^2) + eps) over N values (x's padding lanes 0)."""
     return x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps))

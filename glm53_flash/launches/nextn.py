@@ -94,7 +94,7 @@ class NextnLaunch(SparseLaunch):
             g.add("eh_in", (r, r), writes=("ein",), nbytes=2 * H * 2)
         self.n_box["ein"] = W
         g.stage("eh_proj")
-        self._mat_stage(g, "eh", [(0, H, 2 * H * 2)], ("ein",), "x")
+        self._mat_stage(g, "eh", [(0, H, 2 * H * 2)], ("ein",), "x", self.ks_eh)
         g.stage("ln_in")
         for r in range(W):
             g.add("ln_row", (r, 0, r), reads=("x",), writes=("a_in",), nbytes=H * 4)

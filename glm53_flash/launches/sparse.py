@@ -224,6 +224,9 @@ class SparseLaunch(KdaLaunch):
         # same planes (the same bits)
         n_a = self.QL + self.C + 2 * self.DI + self.NI
         self.ks_a = self.k_split_for(n_a, self.H, self.W_qa.element_size())
+        # NextN's eh_proj (H x 2H bf16, 67 MB, every rank's whole bank) in K slices likewise: 64 tiles of full K
+        # streamed 1 MB a CTA on 64 CTAs; ln_row 0 joins the planes in order
+        self.ks_eh = self.k_split_for(self.H, 2 * self.H, 2) if self.NEXTN else 1
         if self.H % self.block_n:
             raise ValueError(f"{self.kind}: hidden size {self.H} must be a multiple of block_n={self.block_n}")
         self._graph_pre(g)
@@ -320,7 +323,7 @@ class SparseLaunch(KdaLaunch):
         self._plan_ffn_rows(pl)
         nx = self.NEXTN
         pl.rows("ein_rows", (W, 2 * H) if nx else (1,), bf)
-        pl.rows("x0", (W, H) if nx else (1,), f32)
+        pl.rows("x0", ((1 + self.ks_eh) * W, H) if nx else (1,), f32)      # x, then eh_proj's K-slice planes
         self._plan_boxes(pl)
 
     def kernel(self):
@@ -359,7 +362,7 @@ class SparseLaunch(KdaLaunch):
                      E=self.E, KE=self.KE, I_E=self.I_E, E_PAD=triton.next_power_of_2(self.E),
                      K_PAD=triton.next_power_of_2(self.KE), RENORM=bool(cfg.norm_topk_prob), BLOCK_E=ROUTER_BLOCK_E, RCK=self.router_ck,
                      NEXTN=self.NEXTN, TRACE=self.trace_args()[1], KS_GU=self.ks_gu, KS_E=self.ks_e, KG=self.kg, KS_O=self.ks_o,
-                     **dict(zip(("NS_PAD", "SB"), join_chunk(sp.n_splits, self.C))), KS_A=self.ks_a,
+                     **dict(zip(("NS_PAD", "SB"), join_chunk(sp.n_splits, self.C))), KS_A=self.ks_a, KS_EH=self.ks_eh,
                      Q_PAD=triton.next_power_of_2(self.QL), C_PAD=triton.next_power_of_2(self.C),
                      NI_PAD=triton.next_power_of_2(self.NI))
         return args, const

@@ -22,7 +22,8 @@ tiles and row norms calls. Stages (every hand-off is plain rows + a box; every w
  13.. gate_ffn, moe_route (router, shared gate|up), experts, down (+ down_sum): the KDA launch's MoE.
 Pad rows (rows <= r < width) compute and write nothing (no cache writes either) but still signal.
 NEXTN (the MTP block, launches/nextn.py; no mHC): stages 0-1 become eh_in [per row: enorm(embed(t)) |
-hnorm(h)] -> eh (eh_proj tiles, x) -> ln_row 0 (input_layernorm -> a_in); o_proj adds x (y = x + attn,
+hnorm(h)] -> eh (eh_proj tiles in KS_EH K slices -> x0's planes 1..KS_EH, box x) -> ln_row 0 (the planes joined
+in order -> x0's plane 0, input_layernorm -> a_in); o_proj adds x (y = x + attn,
 xmid) instead of hc_post; ln_row 1 (post_attention_layernorm) replaces gate_ffn; down adds y
 (z = y + ffn -> X_out [width, H]) and signals z; ln_row 2 writes n = shared_head.norm(z).
 """
@@ -39,7 +40,7 @@ from .ffn import (B_A, B_AIN, B_HP2, B_O, COMMON_BOXES, COMMON_ROWS, M_A, M_AIN,
                   oproj_task, peer_task, post1_task, runtime_i32, sig_words, signal, signal_at, task_entry,
                   waitb, warm_before)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
-from .mixer_dsa import dsa_norm_finish, dsa_norm_prefetch, gemv_tiles, rms_row
+from .mixer_dsa import dsa_norm_finish, dsa_norm_prefetch, gemv_tiles, rms_row, rms_row_planes
 
 FAMILIES = with_ffn_families({"part": 0, "gate1": 1, "mat_a": 2, "dsa_norm": 3, "mat_q": 4, "absorb": 5, "score": 6,
                                "hist": 7, "select": 8, "attend": 9, "join": 10, "oproj": 11, "post1": 12, "gate2": 13,
@@ -392,7 +393,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         RCK: tl.constexpr, NEXTN: tl.constexpr, TRACE: tl.constexpr, KS_GU: tl.constexpr,
                         KS_E: tl.constexpr, KG: tl.constexpr, NS_PAD: tl.constexpr, SB: tl.constexpr,
                         KS_A: tl.constexpr, Q_PAD: tl.constexpr, C_PAD: tl.constexpr, NI_PAD: tl.constexpr,
-                        KS_O: tl.constexpr):
+                        KS_O: tl.constexpr, KS_EH: tl.constexpr):
     pid = tl.program_id(0)
     DO: tl.constexpr = NH * DV
     PASSES: tl.constexpr = (32 + BITS - 1) // BITS
@@ -508,21 +509,24 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         rms_row(embed_w + tok * H, enorm, ein, eps, H, NORM_BLOCK)          # embedding first
                         rms_row(hid + a0 * H, hnorm, ein + H, eps, H, NORM_BLOCK)
                     signal(scratch, meta, B_EIN, a1, tag, fault_site)
-            elif fam == 22:                                # eh (NextN): eh_proj tiles a1 .., producer a3
+            elif fam == 22:                                # eh (NextN): eh_proj tiles a1 .., producer a3, K slice a4
                 if NEXTN:
-                    l2_prefetch_rows(W_eh, a1 * BLOCK_N, H, 2 * H, BLOCK_N)
+                    KL_EH: tl.constexpr = 2 * H // KS_EH
+                    l2_prefetch_rows(W_eh + a4 * KL_EH, a1 * BLOCK_N, H, 2 * H, BLOCK_N)
+                    xp = f32_at(scratch, meta, M_X0) + (1 + a4) * width * H     # plane a4 (x0's plane 0: x)
                     ok, rdy = waitb(scratch, meta, B_EIN, rdy, pid, tag, hdr, timeout_ns)
                     if ok != 0:
-                        gemv_tiles(W_eh, W_eh, act_at(scratch, meta, M_EIN, ACT_F32), 2 * H, f32_at(scratch, meta, M_X0),
-                                   H, rows, a1, a2, 0, 2 * H, H, 2 * H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
+                        gemv_tiles(W_eh, W_eh, act_at(scratch, meta, M_EIN, ACT_F32), 2 * H, xp, H, rows, a1, a2,
+                                   a4 * KL_EH, (a4 + 1) * KL_EH, H, 2 * H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
                         signal(scratch, meta, B_X, a3, tag, fault_site)
             elif fam == 23:                                # ln_row (NextN): row a0, norm a1, producer a2
                 if NEXTN:
                     if a1 == 0:                                # x -> a_in (input_layernorm)
                         ok, rdy = waitb(scratch, meta, B_X, rdy, pid, tag, hdr, timeout_ns)
                         if (ok != 0) & (a0 < rows):
-                            rms_row(f32_at(scratch, meta, M_X0) + a0 * H, ln1, act_at(scratch, meta, M_AIN, ACT_F32) + a0 * H,
-                                    eps, H, NORM_BLOCK)
+                            x0 = f32_at(scratch, meta, M_X0) + a0 * H
+                            rms_row_planes(x0 + width * H, width * H, KS_EH, x0, ln1,
+                                           act_at(scratch, meta, M_AIN, ACT_F32) + a0 * H, eps, H, NORM_BLOCK)
                         if ok != 0:
                             signal(scratch, meta, B_AIN, a2, tag, fault_site)
                     elif a1 == 1:                              # y -> a (post_attention_layernorm)
