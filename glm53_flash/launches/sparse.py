@@ -44,6 +44,7 @@ at build from width-independent inputs, so a row's bits do not depend on the bat
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
@@ -225,8 +226,13 @@ class SparseLaunch(KdaLaunch):
         n_a = self.QL + self.C + 2 * self.DI + self.NI
         self.ks_a = self.k_split_for(n_a, self.H, self.W_qa.element_size())
         # NextN's eh_proj (H x 2H bf16, 67 MB, every rank's whole bank) in K slices likewise: 64 tiles of full K
-        # streamed 1 MB a CTA on 64 CTAs; ln_row 0 joins the planes in order
-        self.ks_eh = self.k_split_for(self.H, 2 * self.H, 2) if self.NEXTN else 1
+        # streamed 1 MB a CTA on 64 CTAs; ln_row 0 joins the planes in order. GLM53_EH_SPLIT=N pins it (A/B runs;
+        # 1: the unsplit stage before the twentieth session)
+        pin = int(os.environ.get("GLM53_EH_SPLIT", "0"))
+        self.ks_eh = (pin or self.k_split_for(self.H, 2 * self.H, 2)) if self.NEXTN else 1
+        if (2 * self.H) % (self.ks_eh * 128):
+            raise ValueError(f"{self.kind}: GLM53_EH_SPLIT={self.ks_eh} must split eh_proj's {2 * self.H} columns "
+                             f"into multiples of 128")
         if self.H % self.block_n:
             raise ValueError(f"{self.kind}: hidden size {self.H} must be a multiple of block_n={self.block_n}")
         self._graph_pre(g)
