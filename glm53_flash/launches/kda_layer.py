@@ -153,9 +153,10 @@ def _kda_task(S_in, S_out, win_in, win_out, conv_w, A_log, dt_bias, f_b, g_b, on
     return ok, rdy
 
 
-# GLM53_KDA_GATE_EARLY=1: kda_norm's output gate (g_b x yin) formed before its oraw wait, behind a yin wait (the same
-# bits: tests/test_launch_dense.py). Built, not yet timed: off by default (read at import, for A/B runs).
-GATE_EARLY: tl.constexpr = tl.constexpr(os.environ.get("GLM53_KDA_GATE_EARLY", "0") != "0")
+# kda_norm's output gate (g_b x yin) formed before its oraw wait, behind a yin wait (the same bits:
+# tests/test_launch_dense.py); kda TP8 -0.8 / -2.1 us (H100, s20A). GLM53_KDA_GATE_EARLY=0: after the oraw wait, as
+# before (read at import, for A/B runs).
+GATE_EARLY: tl.constexpr = tl.constexpr(os.environ.get("GLM53_KDA_GATE_EARLY", "1") != "0")
 
 
 @triton.jit(noinline=True)
