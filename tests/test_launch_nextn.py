@@ -12,6 +12,7 @@ import torch
 
 from glm53_flash.launches.nextn import NextnLaunch
 from glm53_flash.launches.sparse import layer_caches
+from glm53_flash.launches.sparse_layer import EH_FOLD
 from sync import HandoffTimeout
 from test_launch_dense import TOL_BF16, rel, rel_rows, tiny_ref  # noqa: F401 (fixture)
 from test_launch_sparse import gpu_matrix
@@ -81,17 +82,78 @@ def test_nextn_fault_sites_then_clean(tiny_cfg, tiny_weights, tiny_ref, gen, one
     tail_sites = list(L.tail_launch.sites)
     # the sites of the mixer and the MoE are the sparse launch's (every one is faulted there, same
     # kernel): here the NextN-only ones, one shared one, and the tail launch's first
-    own = [f"nextn.{n}" for n in ("ein", "x", "a_in", "att", "hp2", "a", "z")]
+    own = [f"nextn.{n}" for n in ("x", "a_in", "att", "hp2", "a", "z")]
+    own = ([] if EH_FOLD else ["nextn.ein"]) + own                   # GLM53_EH_FOLD=0: the eh_in task's box
     assert set(own) <= set(L.sites)
     for site in own + tail_sites[:1]:
         c = caches.clone()
         with pytest.raises(HandoffTimeout, match=f"wait site '{site}'"):
             L.run(hid, nt, *layer_caches(c, d), [23], inject_fault=site)
         assert mtp_visible_equal(c, caches, [23], tiny_cfg.index_kpool), f"visible cache state changed at {site}"
-        if site in ("nextn.ein", "nextn.att", "nextn.z", tail_sites[0]):
+        if site in (own[0], "nextn.att", "nextn.z", tail_sites[0]):
             again = L.run(hid, nt, *layer_caches(c, d), [23])
             assert all(torch.equal(a, b) for a, b in zip(again, good)), site
             assert all(torch.equal(x, y) for x, y in zip(c.tensors().values(), good_c.tensors().values())), site
+
+
+_FOLD_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, "tests")
+from glm53_flash.config import preset
+from glm53_flash.launches.nextn import NextnLaunch
+from glm53_flash.launches.sparse import layer_caches
+from glm53_flash.reference.model import ReferenceModel
+from glm53_flash.weights import RandomWeights
+from sync import HandoffTimeout
+from test_launch_dense import poison_scratch
+from test_launch_nextn import make_mtp
+torch.set_num_threads(1)
+cfg = preset("tiny")
+w = RandomWeights(cfg, seed=0, cache=True)
+caches, hid, nt = make_mtp(cfg, ReferenceModel(cfg, w), [27, 21], torch.Generator().manual_seed(5))
+L = NextnLaunch(cfg, w, width=2, max_len=64, logits=False)
+poison_scratch(L)
+faults = {}
+try:
+    L.run(hid, nt, *layer_caches(caches.clone(), caches.n_dsa), [27, 21], inject_fault="nextn.x")
+    faults["nextn.x"] = "no timeout"
+except HandoffTimeout as e:
+    faults["nextn.x"] = str(e)
+c = caches.clone()
+_, _, n = L.run(hid, nt, *layer_caches(c, caches.n_dsa), [27, 21])
+torch.save({"n": n, "z": L.X_out[:2].clone(), "latent": c.latent.clone(), "ks": L.ks_eh,
+            "sites": list(L.sites)}, sys.argv[1])
+print(json.dumps(faults))
+"""
+
+
+@pytest.mark.parametrize("ks", ["1", "4"])
+def test_nextn_eh_fold_same_bits(tmp_path, ks):
+    """eh_proj's tasks norming their own K slice of [enorm(embed(t)) | hnorm(h)] (GLM53_EH_FOLD=1, read at import:
+    one subprocess a value) give the bits of the eh_in task a row that they waited on (=0): rms_row's operations
+    on the same values. Two rows (the token of each row), eh_proj unsplit (a slice across both halves) and in 4 K
+    slices (a slice inside one half), NaN-poisoned scratch, a fault at x named in both."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = {}
+    for v in ("0", "1"):
+        env = dict(os.environ, GLM53_EH_FOLD=v, GLM53_EH_SPLIT=ks, TRITON_INTERPRET="1",
+                   PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        p = subprocess.run([sys.executable, "-c", _FOLD_SCRIPT, str(tmp_path / f"f{v}.pt")], env=env, cwd=root,
+                           capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stderr[-3000:]
+        faults = json.loads(p.stdout.strip().splitlines()[-1])
+        assert "wait site 'nextn.x'" in faults["nextn.x"], (v, faults)
+        res[v] = torch.load(tmp_path / f"f{v}.pt")
+    assert res["0"]["ks"] == res["1"]["ks"] == int(ks)
+    assert "nextn.ein" in res["0"]["sites"] and "nextn.ein" not in res["1"]["sites"]      # the fold took effect
+    for k in ("n", "z", "latent"):
+        assert bool(torch.isfinite(res["1"][k]).all()), k
+        assert torch.equal(res["0"][k], res["1"][k]), k
 
 
 def test_nextn_rejects(tiny_cfg, tiny_weights):

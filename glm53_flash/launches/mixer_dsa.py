@@ -34,6 +34,36 @@ def rms_row(src, w, dst, eps, N: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def eh_x_slice(tokens, embed_w, hid, enorm, hnorm, dst, rows, k0, eps, H: tl.constexpr, KL: tl.constexpr,
+               ROWS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[r, c - k0] = [enorm(embed(tokens[r])) | hnorm(hid[r])][c] for k0 <= c < k0 + KL, r < rows (dst rows KL
+    apart): an eh_proj task's own K slice of NextN's normed input, by rms_row's arithmetic (the bits of the
+    eh_in task's row). Only the halves the slice touches: one row load a row after the tokens and weights."""
+    tl.static_assert(H <= BLOCK)
+    offs = tl.arange(0, BLOCK)
+    m = offs < H
+    ro = tl.arange(0, ROWS_PAD)
+    toks = tl.load(tokens + ro, mask=ro < rows, other=0).to(tl.int64)
+    for half in tl.static_range(2):
+        if (k0 < (half + 1) * H) & (k0 + KL > half * H):
+            if half == 0:
+                wv = tl.load(enorm + offs, mask=m, other=0.0).to(tl.float32)
+            else:
+                wv = tl.load(hnorm + offs, mask=m, other=0.0).to(tl.float32)
+            c = offs + half * H
+            keep = m & (c >= k0) & (c < k0 + KL)
+            r = 0
+            while r < rows:
+                if half == 0:                          # the embedding row of token r
+                    src = embed_w + tl.sum(tl.where(ro == r, toks, 0), axis=0) * H
+                else:
+                    src = hid + r * H
+                x = tl.load(src + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+                tl.store(dst + r * KL + (c - k0), (_rms(x, H, eps) * wv).to(dst.dtype.element_ty), mask=keep)
+                r += 1
+
+
+@triton.jit
 def rms_row_planes(src, plane_stride, KS: tl.constexpr, joined, w, dst, eps, N: tl.constexpr, BLOCK: tl.constexpr):
     """rms_row of the row that KS split-K planes of a GEMV add up to (src: plane 0, planes plane_stride apart, added
     in plane order, as kernels/gemv.py plane_sum): the sum is stored to `joined` (fp32: what the residual reads

@@ -2,7 +2,8 @@
 trunk's final hidden row, as the sparse launch's kernel built with NEXTN (launches/sparse_layer.py)
 followed by the tail launch for the draft logits.
 
-  x = eh_proj([enorm(embed(t_next)) | hnorm(h)])     stages eh_in (per row), eh_proj (GEMV tiles)
+  x = eh_proj([enorm(embed(t_next)) | hnorm(h)])     stage eh_proj (GEMV tiles in K slices, each task norming its
+                                                     own slice; GLM53_EH_FOLD=0: an eh_in stage a row first)
   y = x + DSA(input_layernorm(x))                    ln_row 0, the sparse launch's DSA mixer, o_proj + x
   z = y + MoE(post_attention_layernorm(y))           ln_row 1, the KDA / sparse launches' MoE, down + y
   n = shared_head.norm(z)                            ln_row 2 -> n (the recycled hidden row of chained drafts)
@@ -14,7 +15,7 @@ same all-or-nothing argument (launches/sparse.py docstring). Why the logits are 
 tail launch already streams lm_head at its measured speed with its argmax across CTAs and ranks;
 folding it in would make this kernel carry the tail's register-heavy GEMV too.
 
-Wait sites (schedule order; TP > 1 adds xo after o and xd before z): ein, x, a_in, ya, qr, q, hs0..hs3,
+Wait sites (schedule order; TP > 1 adds xo after o and xd before z; GLM53_EH_FOLD=0 adds ein first): x, a_in, ya, qr, q, hs0..hs3,
 idx, ql, att, o, hp2, a, rl, h, xe, z (`nextn.<region>`); the tail launch's own (`tail.*`) follow.
 
 Host API:
@@ -34,6 +35,7 @@ from ..weights import LM_HEAD, PREFIX
 from .base import interpreting
 from .layer_host import rank_tensors
 from .sparse import SparseLaunch
+from .sparse_layer import EH_FOLD
 
 
 class NextnLaunch(SparseLaunch):
@@ -81,7 +83,7 @@ class NextnLaunch(SparseLaunch):
     # ------------------------------------------------------------------ plan
     @classmethod
     def site_names(cls, tp_size: int = 1, down_groups: int = 1, oproj_split: int = 1, **_) -> list[str]:
-        s = ["ein", "x", "a_in", "ya", "qr", "q", "hs0", "hs1", "hs2", "hs3", "idx", "ql", "att", "o"]
+        s = ([] if EH_FOLD else ["ein"]) + ["x", "a_in", "ya", "qr", "q", "hs0", "hs1", "hs2", "hs3", "idx", "ql", "att", "o"]
         s += (["xo"] if tp_size > 1 or oproj_split > 1 else []) + ["hp2", "a", "rl", "hg", "sel", "xe", "h"]
         s += (["dp"] if down_groups > 1 else []) + (["xd"] if tp_size > 1 else [])
         return [f"{cls.kind}.{n}" for n in s + ["z"]]
@@ -89,12 +91,13 @@ class NextnLaunch(SparseLaunch):
     def _graph_pre(self, g) -> None:
         W, H = self.width, self.H
         self.block_c, self.gate_bh, self.npart1, self.npart2 = 32, min(512, H), 1, 1
-        g.stage("eh_in")
-        for r in range(W):
-            g.add("eh_in", (r, r), writes=("ein",), nbytes=2 * H * 2)
-        self.n_box["ein"] = W
+        if not EH_FOLD:                  # GLM53_EH_FOLD=0: the normed input a task a row, which the tiles wait on
+            g.stage("eh_in")
+            for r in range(W):
+                g.add("eh_in", (r, r), writes=("ein",), nbytes=2 * H * 2)
+            self.n_box["ein"] = W
         g.stage("eh_proj")
-        self._mat_stage(g, "eh", [(0, H, 2 * H * 2)], ("ein",), "x", self.ks_eh)
+        self._mat_stage(g, "eh", [(0, H, 2 * H * 2)], () if EH_FOLD else ("ein",), "x", self.ks_eh)
         g.stage("ln_in")
         for r in range(W):
             g.add("ln_row", (r, 0, r), reads=("x",), writes=("a_in",), nbytes=H * 4)

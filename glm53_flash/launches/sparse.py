@@ -59,7 +59,7 @@ from .kda import KdaLaunch
 from .base import check_rank_width, interpreting
 from .ffn_tasks import ROUTER_BLOCK_E
 from .layer_host import ROWS_PAD, _ranges, rank_tensors
-from .sparse_layer import BOXES, CACHE_ALIGN_ELEMS, FAMILIES, META, META_WORDS, ROWS_REGIONS, sparse_layer_kernel
+from .sparse_layer import BOXES, CACHE_ALIGN_ELEMS, EH_FOLD, FAMILIES, META, META_WORDS, ROWS_REGIONS, sparse_layer_kernel
 
 T_MAX_LIMIT = 16        # selection tasks per row (kernels/indexer.py: registers measured at T_MAX 16)
 
@@ -328,7 +328,8 @@ class SparseLaunch(KdaLaunch):
         pl.rows("o_rows", (W, NH * self.DV), bf)
         self._plan_ffn_rows(pl)
         nx = self.NEXTN
-        pl.rows("ein_rows", (W, 2 * H) if nx else (1,), bf)
+        # NextN's normed eh_proj input: a slot a CTA for its eh tasks' K slice (EH_FOLD), else the whole rows
+        pl.rows("ein_rows", ((self.grid * W, 2 * H // self.ks_eh) if EH_FOLD else (W, 2 * H)) if nx else (1,), bf)
         pl.rows("x0", ((1 + self.ks_eh) * W, H) if nx else (1,), f32)      # x, then eh_proj's K-slice planes
         self._plan_boxes(pl)
 

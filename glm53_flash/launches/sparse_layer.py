@@ -21,12 +21,15 @@ tiles and row norms calls. Stages (every hand-off is plain rows + a box; every w
  12 o_proj     [o] as the KDA launch (TP 1: hc_post + FFN hc_pre partials -> hp2; TP > 1: xo, o_sum)
  13.. gate_ffn, moe_route (router, shared gate|up), experts, down (+ down_sum): the KDA launch's MoE.
 Pad rows (rows <= r < width) compute and write nothing (no cache writes either) but still signal.
-NEXTN (the MTP block, launches/nextn.py; no mHC): stages 0-1 become eh_in [per row: enorm(embed(t)) |
-hnorm(h)] -> eh (eh_proj tiles in KS_EH K slices -> x0's planes 1..KS_EH, box x) -> ln_row 0 (the planes joined
+NEXTN (the MTP block, launches/nextn.py; no mHC): stages 0-1 become eh (eh_proj tiles in KS_EH K slices, each
+first norming its own slice of [enorm(embed(t)) | hnorm(h)] (EH_FOLD; GLM53_EH_FOLD=0: an eh_in task a row norms
+the whole input and the tiles wait on it) -> x0's planes 1..KS_EH, box x) -> ln_row 0 (the planes joined
 in order -> x0's plane 0, input_layernorm -> a_in); o_proj adds x (y = x + attn,
 xmid) instead of hc_post; ln_row 1 (post_attention_layernorm) replaces gate_ffn; down adds y
 (z = y + ffn -> X_out [width, H]) and signals z; ln_row 2 writes n = shared_head.norm(z).
 """
+import os
+
 import triton
 import triton.language as tl
 
@@ -40,7 +43,7 @@ from .ffn import (B_A, B_AIN, B_HP2, B_O, COMMON_BOXES, COMMON_ROWS, M_A, M_AIN,
                   oproj_task, peer_task, post1_task, runtime_i32, sig_words, signal, signal_at, task_entry,
                   waitb, warm_before)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
-from .mixer_dsa import dsa_norm_finish, dsa_norm_prefetch, gemv_tiles, rms_row, rms_row_planes
+from .mixer_dsa import dsa_norm_finish, dsa_norm_prefetch, eh_x_slice, gemv_tiles, rms_row, rms_row_planes
 
 FAMILIES = with_ffn_families({"part": 0, "gate1": 1, "mat_a": 2, "dsa_norm": 3, "mat_q": 4, "absorb": 5, "score": 6,
                                "hist": 7, "select": 8, "attend": 9, "join": 10, "oproj": 11, "post1": 12, "gate2": 13,
@@ -53,6 +56,9 @@ META, META_WORDS = meta_layout(BOXES, ROWS_REGIONS)
 
 (B_YA, B_QR, B_Q, B_QL, B_HS0, B_HS1, B_HS2, B_HS3, B_IDX, B_ATT, B_EIN, B_X, B_Z) = (
     tl.constexpr(BOXES.index(n)) for n in BOXES[len(COMMON_BOXES):])
+# NextN: each eh_proj task norms its own K slice of the input into its CTA's ein_rows slot (no eh_in task: its
+# 7.7 us at the launch's start was a wait of every eh task, s20A); GLM53_EH_FOLD=0 for the A/B
+EH_FOLD: tl.constexpr = tl.constexpr(os.environ.get("GLM53_EH_FOLD", "1") != "0")
 CACHE_ALIGN_ELEMS = 8      # the caches' slot strides are multiples of it (elements; sparse.py set_input checks)
 
 
@@ -514,10 +520,19 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                     KL_EH: tl.constexpr = 2 * H // KS_EH
                     l2_prefetch_rows(W_eh + a4 * KL_EH, a1 * BLOCK_N, H, 2 * H, BLOCK_N)
                     xp = f32_at(scratch, meta, M_X0) + (1 + a4) * width * H     # plane a4 (x0's plane 0: x)
-                    ok, rdy = waitb(scratch, meta, B_EIN, rdy, pid, tag, hdr, timeout_ns)
+                    if EH_FOLD:                            # this CTA's slot: rows of the slice, KL_EH apart
+                        xs = act_at(scratch, meta, M_EIN, ACT_F32) + pid * width * KL_EH
+                        tl.debug_barrier()                 # a previous eh task of this CTA read its slot
+                        eh_x_slice(tokens, embed_w, hid, enorm, hnorm, xs, rows, a4 * KL_EH, eps, H, KL_EH, ROWS_PAD,
+                                   NORM_BLOCK)
+                        tl.debug_barrier()                 # the slot's stores seen by every thread's loads
+                        x_eh, sx_eh = xs - a4 * KL_EH, KL_EH
+                    else:
+                        ok, rdy = waitb(scratch, meta, B_EIN, rdy, pid, tag, hdr, timeout_ns)
+                        x_eh, sx_eh = act_at(scratch, meta, M_EIN, ACT_F32), 2 * H
                     if ok != 0:
-                        gemv_tiles(W_eh, W_eh, act_at(scratch, meta, M_EIN, ACT_F32), 2 * H, xp, H, rows, a1, a2,
-                                   a4 * KL_EH, (a4 + 1) * KL_EH, H, 2 * H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
+                        gemv_tiles(W_eh, W_eh, x_eh, sx_eh, xp, H, rows, a1, a2, a4 * KL_EH, (a4 + 1) * KL_EH, H, 2 * H,
+                                   ROWS_PAD, BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
                         signal(scratch, meta, B_X, a3, tag, fault_site)
             elif fam == 23:                                # ln_row (NextN): row a0, norm a1, producer a2
                 if NEXTN:
