@@ -12,7 +12,7 @@ import torch
 
 from glm53_flash.launches.nextn import NextnLaunch
 from glm53_flash.launches.sparse import layer_caches
-from glm53_flash.launches.sparse_layer import EH_FOLD
+from glm53_flash.launches.sparse_layer import AIN_FOLD, EH_FOLD
 from sync import HandoffTimeout
 from test_launch_dense import TOL_BF16, rel, rel_rows, tiny_ref  # noqa: F401 (fixture)
 from test_launch_sparse import gpu_matrix
@@ -82,8 +82,9 @@ def test_nextn_fault_sites_then_clean(tiny_cfg, tiny_weights, tiny_ref, gen, one
     tail_sites = list(L.tail_launch.sites)
     # the sites of the mixer and the MoE are the sparse launch's (every one is faulted there, same
     # kernel): here the NextN-only ones, one shared one, and the tail launch's first
-    own = [f"nextn.{n}" for n in ("x", "a_in", "att", "hp2", "a", "z")]
+    own = [f"nextn.{n}" for n in ("x", "att", "hp2", "a", "z")]
     own = ([] if EH_FOLD else ["nextn.ein"]) + own                   # GLM53_EH_FOLD=0: the eh_in task's box
+    own += [] if AIN_FOLD else ["nextn.a_in"]                        # GLM53_AIN_FOLD=0: ln_row 0's
     assert set(own) <= set(L.sites)
     for site in own + tail_sites[:1]:
         c = caches.clone()
@@ -129,11 +130,12 @@ print(json.dumps(faults))
 
 
 @pytest.mark.parametrize("ks", ["1", "4"])
-def test_nextn_eh_fold_same_bits(tmp_path, ks):
-    """eh_proj's tasks norming their own K slice of [enorm(embed(t)) | hnorm(h)] (GLM53_EH_FOLD=1, read at import:
-    one subprocess a value) give the bits of the eh_in task a row that they waited on (=0): rms_row's operations
-    on the same values. Two rows (the token of each row), eh_proj unsplit (a slice across both halves) and in 4 K
-    slices (a slice inside one half), NaN-poisoned scratch, a fault at x named in both."""
+def test_nextn_norm_folds_same_bits(tmp_path, ks):
+    """eh_proj's tasks norming their own K slice of [enorm(embed(t)) | hnorm(h)] (GLM53_EH_FOLD=1) and qkv_a's
+    tasks their own K slice of input_layernorm(x) (GLM53_AIN_FOLD=1; both read at import: one subprocess a
+    value) give the bits of the norm tasks a row that they waited on (=0): rms_row's and rms_row_planes'
+    operations on the same values. Two rows (the token of each row), eh_proj unsplit (a slice across both
+    halves) and in 4 K slices (a slice inside one half), NaN-poisoned scratch, a fault at x named in both."""
     import json
     import os
     import subprocess
@@ -141,7 +143,7 @@ def test_nextn_eh_fold_same_bits(tmp_path, ks):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     res = {}
     for v in ("0", "1"):
-        env = dict(os.environ, GLM53_EH_FOLD=v, GLM53_EH_SPLIT=ks, TRITON_INTERPRET="1",
+        env = dict(os.environ, GLM53_EH_FOLD=v, GLM53_AIN_FOLD=v, GLM53_EH_SPLIT=ks, TRITON_INTERPRET="1",
                    PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
         p = subprocess.run([sys.executable, "-c", _FOLD_SCRIPT, str(tmp_path / f"f{v}.pt")], env=env, cwd=root,
                            capture_output=True, text=True, timeout=900)
@@ -150,7 +152,8 @@ def test_nextn_eh_fold_same_bits(tmp_path, ks):
         assert "wait site 'nextn.x'" in faults["nextn.x"], (v, faults)
         res[v] = torch.load(tmp_path / f"f{v}.pt")
     assert res["0"]["ks"] == res["1"]["ks"] == int(ks)
-    assert "nextn.ein" in res["0"]["sites"] and "nextn.ein" not in res["1"]["sites"]      # the fold took effect
+    for site in ("nextn.ein", "nextn.a_in"):                                              # the folds took effect
+        assert site in res["0"]["sites"] and site not in res["1"]["sites"], site
     for k in ("n", "z", "latent"):
         assert bool(torch.isfinite(res["1"][k]).all()), k
         assert torch.equal(res["0"][k], res["1"][k]), k

@@ -78,6 +78,26 @@ def rms_row_planes(src, plane_stride, KS: tl.constexpr, joined, w, dst, eps, N: 
 
 
 @triton.jit
+def rms_slice_planes(src, plane_stride, KS: tl.constexpr, w, dst, joined, join, rows, k0, eps, N: tl.constexpr,
+                     KL: tl.constexpr, BLOCK: tl.constexpr):
+    """rms_row_planes for rows r < rows (src rows N apart), keeping only columns [k0, k0 + KL) of the normed row:
+    dst[r, c - k0] (dst rows KL apart), a consumer GEMV task's own K slice of the row instead of a norm task's
+    hop; join != 0: the joined row to joined [rows, N] too (one task of the consumers). rms_row_planes'
+    operations, so the bits of the norm task's row; one round trip a row."""
+    tl.static_assert(N <= BLOCK)
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    keep = m & (offs >= k0) & (offs < k0 + KL)
+    wv = tl.load(w + offs, mask=m, other=0.0).to(tl.float32)
+    r = 0
+    while r < rows:
+        x = plane_sum(src + r * N, offs, m, plane_stride, KS)
+        tl.store(joined + r * N + offs, x, mask=m & (join != 0))
+        tl.store(dst + r * KL + (offs - k0), (_rms(x, N, eps) * wv).to(dst.dtype.element_ty), mask=keep)
+        r += 1
+
+
+@triton.jit
 def _rms(x, N: tl.constexpr, eps):
     """x / sqrt(mean(x^2) + eps) over N values (x's padding lanes 0)."""
     return x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps))

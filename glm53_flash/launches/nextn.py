@@ -4,7 +4,8 @@ followed by the tail launch for the draft logits.
 
   x = eh_proj([enorm(embed(t_next)) | hnorm(h)])     stage eh_proj (GEMV tiles in K slices, each task norming its
                                                      own slice; GLM53_EH_FOLD=0: an eh_in stage a row first)
-  y = x + DSA(input_layernorm(x))                    ln_row 0, the sparse launch's DSA mixer, o_proj + x
+  y = x + DSA(input_layernorm(x))                    the sparse launch's DSA mixer (its qkv_a tasks norm their own
+                                                     K slice of x; GLM53_AIN_FOLD=0: an ln_row 0 task a row), o_proj + x
   z = y + MoE(post_attention_layernorm(y))           ln_row 1, the KDA / sparse launches' MoE, down + y
   n = shared_head.norm(z)                            ln_row 2 -> n (the recycled hidden row of chained drafts)
   logits = lm_head(shared_head.norm(z))              TailLaunch on z as 4 equal streams with the
@@ -15,7 +16,8 @@ same all-or-nothing argument (launches/sparse.py docstring). Why the logits are 
 tail launch already streams lm_head at its measured speed with its argmax across CTAs and ranks;
 folding it in would make this kernel carry the tail's register-heavy GEMV too.
 
-Wait sites (schedule order; TP > 1 adds xo after o and xd before z; GLM53_EH_FOLD=0 adds ein first): x, a_in, ya, qr, q, hs0..hs3,
+Wait sites (schedule order; TP > 1 adds xo after o and xd before z; GLM53_EH_FOLD=0 adds ein first,
+GLM53_AIN_FOLD=0 a_in after x): x, ya, qr, q, hs0..hs3,
 idx, ql, att, o, hp2, a, rl, h, xe, z (`nextn.<region>`); the tail launch's own (`tail.*`) follow.
 
 Host API:
@@ -35,7 +37,7 @@ from ..weights import LM_HEAD, PREFIX
 from .base import interpreting
 from .layer_host import rank_tensors
 from .sparse import SparseLaunch
-from .sparse_layer import EH_FOLD
+from .sparse_layer import AIN_FOLD, EH_FOLD
 
 
 class NextnLaunch(SparseLaunch):
@@ -43,6 +45,7 @@ class NextnLaunch(SparseLaunch):
 
     kind = "nextn"
     NEXTN = True
+    ain_box = "x" if AIN_FOLD else "a_in"      # qkv_a's tasks norm their own K slice of x (sparse_layer AIN_FOLD)
 
     def __init__(self, cfg, source, layer: int | None = None, *, logits: bool = True, tail_options: dict | None = None,
                  **kw):
@@ -83,7 +86,8 @@ class NextnLaunch(SparseLaunch):
     # ------------------------------------------------------------------ plan
     @classmethod
     def site_names(cls, tp_size: int = 1, down_groups: int = 1, oproj_split: int = 1, **_) -> list[str]:
-        s = ([] if EH_FOLD else ["ein"]) + ["x", "a_in", "ya", "qr", "q", "hs0", "hs1", "hs2", "hs3", "idx", "ql", "att", "o"]
+        s = ([] if EH_FOLD else ["ein"]) + ["x"] + ([] if AIN_FOLD else ["a_in"])
+        s += ["ya", "qr", "q", "hs0", "hs1", "hs2", "hs3", "idx", "ql", "att", "o"]
         s += (["xo"] if tp_size > 1 or oproj_split > 1 else []) + ["hp2", "a", "rl", "hg", "sel", "xe", "h"]
         s += (["dp"] if down_groups > 1 else []) + (["xd"] if tp_size > 1 else [])
         return [f"{cls.kind}.{n}" for n in s + ["z"]]
@@ -98,10 +102,11 @@ class NextnLaunch(SparseLaunch):
             self.n_box["ein"] = W
         g.stage("eh_proj")
         self._mat_stage(g, "eh", [(0, H, 2 * H * 2)], () if EH_FOLD else ("ein",), "x", self.ks_eh)
-        g.stage("ln_in")
-        for r in range(W):
-            g.add("ln_row", (r, 0, r), reads=("x",), writes=("a_in",), nbytes=H * 4)
-        self.n_box["a_in"] = W
+        if not AIN_FOLD:                 # GLM53_AIN_FOLD=0: input_layernorm a task a row, which qkv_a waits on
+            g.stage("ln_in")
+            for r in range(W):
+                g.add("ln_row", (r, 0, r), reads=("x",), writes=("a_in",), nbytes=H * 4)
+            self.n_box["a_in"] = W
 
     def _graph_gate_ffn(self, g) -> None:
         g.stage("ln_ffn")

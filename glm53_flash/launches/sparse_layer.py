@@ -23,8 +23,9 @@ tiles and row norms calls. Stages (every hand-off is plain rows + a box; every w
 Pad rows (rows <= r < width) compute and write nothing (no cache writes either) but still signal.
 NEXTN (the MTP block, launches/nextn.py; no mHC): stages 0-1 become eh (eh_proj tiles in KS_EH K slices, each
 first norming its own slice of [enorm(embed(t)) | hnorm(h)] (EH_FOLD; GLM53_EH_FOLD=0: an eh_in task a row norms
-the whole input and the tiles wait on it) -> x0's planes 1..KS_EH, box x) -> ln_row 0 (the planes joined
-in order -> x0's plane 0, input_layernorm -> a_in); o_proj adds x (y = x + attn,
+the whole input and the tiles wait on it) -> x0's planes 1..KS_EH, box x) -> qkv_a's tasks wait on x, each
+norming its own K slice of input_layernorm(x) (the planes joined in order; producer 0 stores x0's plane 0) into
+its CTA's slot (AIN_FOLD; GLM53_AIN_FOLD=0: an ln_row 0 task a row -> a_in); o_proj adds x (y = x + attn,
 xmid) instead of hc_post; ln_row 1 (post_attention_layernorm) replaces gate_ffn; down adds y
 (z = y + ffn -> X_out [width, H]) and signals z; ln_row 2 writes n = shared_head.norm(z).
 """
@@ -43,7 +44,8 @@ from .ffn import (B_A, B_AIN, B_HP2, B_O, COMMON_BOXES, COMMON_ROWS, M_A, M_AIN,
                   oproj_task, peer_task, post1_task, runtime_i32, sig_words, signal, signal_at, task_entry,
                   waitb, warm_before)
 from .ffn_tasks import FFN_BASE, ffn_task, with_ffn_families
-from .mixer_dsa import dsa_norm_finish, dsa_norm_prefetch, eh_x_slice, gemv_tiles, rms_row, rms_row_planes
+from .mixer_dsa import (dsa_norm_finish, dsa_norm_prefetch, eh_x_slice, gemv_tiles, rms_row, rms_row_planes,
+                        rms_slice_planes)
 
 FAMILIES = with_ffn_families({"part": 0, "gate1": 1, "mat_a": 2, "dsa_norm": 3, "mat_q": 4, "absorb": 5, "score": 6,
                                "hist": 7, "select": 8, "attend": 9, "join": 10, "oproj": 11, "post1": 12, "gate2": 13,
@@ -59,6 +61,9 @@ META, META_WORDS = meta_layout(BOXES, ROWS_REGIONS)
 # NextN: each eh_proj task norms its own K slice of the input into its CTA's ein_rows slot (no eh_in task: its
 # 7.7 us at the launch's start was a wait of every eh task, s20A); GLM53_EH_FOLD=0 for the A/B
 EH_FOLD: tl.constexpr = tl.constexpr(os.environ.get("GLM53_EH_FOLD", "1") != "0")
+# NextN: qkv_a's tasks wait on x (eh_proj's planes) and norm their own K slice of input_layernorm(x) into their
+# CTA's slot (no ln_row 0 task and its hop between eh_proj and qkv_a); GLM53_AIN_FOLD=0 for the A/B
+AIN_FOLD: tl.constexpr = tl.constexpr(os.environ.get("GLM53_AIN_FOLD", "1") != "0")
 CACHE_ALIGN_ELEMS = 8      # the caches' slot strides are multiples of it (elements; sparse.py set_input checks)
 
 
@@ -85,10 +90,12 @@ def _mat_a_task(W_qa, S_qa, W_kva, S_kva, W_ix, scratch, meta, rows, width, a0, 
                 timeout_ns, fault_site, H: tl.constexpr, QL: tl.constexpr, C: tl.constexpr, DI: tl.constexpr,
                 NI: tl.constexpr, NA: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr,
-                KS: tl.constexpr):
+                KS: tl.constexpr, ln1, eps, NEXTN: tl.constexpr, KS_EH: tl.constexpr, SLOT_K: tl.constexpr,
+                NORM_BLOCK: tl.constexpr):
     """mat_a: matrix a0 (q_a, kv_a, the indexer's wk | gate | weights_proj), tiles a1 .. a1 + a2 - 1, K slice
     a4 of KS -> ya plane a4 ([KS, width, NA] fp32, joined by dsa_norm); producer a3. The first tile's
-    lines of the slice toward L2 before the wait."""
+    lines of the slice toward L2 before the wait. NEXTN with AIN_FOLD: waits on x (eh_proj's planes) and norms
+    its own K slice of input_layernorm(x) into its CTA's slot (producer 0 also stores the joined x)."""
     KL: tl.constexpr = H // KS
     k0 = a4 * KL
     if a0 == 0:
@@ -97,19 +104,30 @@ def _mat_a_task(W_qa, S_qa, W_kva, S_kva, W_ix, scratch, meta, rows, width, a0, 
         l2_prefetch_rows(W_kva + k0, a1 * BLOCK_N, C, H, BLOCK_N)
     else:
         l2_prefetch_rows(W_ix + k0, a1 * BLOCK_N, 2 * DI + NI, H, BLOCK_N)
-    xin = act_at(scratch, meta, M_AIN, ACT_F32)
     ya = f32_at(scratch, meta, M_YA) + a4 * width * NA
     sb, sw, ss = sig_words(scratch, meta, B_YA)
-    ok, rdy = waitb(scratch, meta, B_AIN, rdy, pid, tag, hdr, timeout_ns)
+    if NEXTN and AIN_FOLD:
+        x0 = f32_at(scratch, meta, M_X0)
+        slot = act_at(scratch, meta, M_EIN, ACT_F32) + pid * width * SLOT_K
+        ok, rdy = waitb(scratch, meta, B_X, rdy, pid, tag, hdr, timeout_ns)
+        if ok != 0:
+            tl.debug_barrier()                         # an earlier task of this CTA read its slot
+            rms_slice_planes(x0 + width * H, width * H, KS_EH, ln1, slot, x0, a3 == 0, rows, k0, eps, H, KL,
+                             NORM_BLOCK)
+            tl.debug_barrier()                         # the slot's stores seen by every thread's loads
+        xin, sx = slot - k0, KL
+    else:
+        xin, sx = act_at(scratch, meta, M_AIN, ACT_F32), H
+        ok, rdy = waitb(scratch, meta, B_AIN, rdy, pid, tag, hdr, timeout_ns)
     if ok != 0:
         if a0 == 0:
-            gemv_tiles(W_qa, S_qa, xin, H, ya, NA, rows, a1, a2, k0, k0 + KL, QL, H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K,
+            gemv_tiles(W_qa, S_qa, xin, sx, ya, NA, rows, a1, a2, k0, k0 + KL, QL, H, ROWS_PAD, BLOCK_N, BLOCK_K, PF_K,
                        NUM_STAGES)
         elif a0 == 1:
-            gemv_tiles(W_kva, S_kva, xin, H, ya + QL, NA, rows, a1, a2, k0, k0 + KL, C, H, ROWS_PAD, BLOCK_N, BLOCK_K,
+            gemv_tiles(W_kva, S_kva, xin, sx, ya + QL, NA, rows, a1, a2, k0, k0 + KL, C, H, ROWS_PAD, BLOCK_N, BLOCK_K,
                        PF_K, NUM_STAGES)
         else:
-            gemv_tiles(W_ix, W_ix, xin, H, ya + QL + C, NA, rows, a1, a2, k0, k0 + KL, 2 * DI + NI, H, ROWS_PAD,
+            gemv_tiles(W_ix, W_ix, xin, sx, ya + QL + C, NA, rows, a1, a2, k0, k0 + KL, 2 * DI + NI, H, ROWS_PAD,
                        BLOCK_N, BLOCK_K, PF_K, NUM_STAGES)
         signal_at(sb, sw, ss, a3, tag, fault_site)
     return ok, rdy
@@ -402,6 +420,8 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         KS_O: tl.constexpr, KS_EH: tl.constexpr):
     pid = tl.program_id(0)
     DO: tl.constexpr = NH * DV
+    # NextN's CTA slot (ein_rows): width rows of the widest K slice a folding task norms into it (eh, mat_a)
+    SLOT_K: tl.constexpr = 2 * H // KS_EH if 2 * H // KS_EH >= H // KS_A else H // KS_A
     PASSES: tl.constexpr = (32 + BITS - 1) // BITS
     HIST_W: tl.constexpr = PASSES * T_MAX * (1 << BITS)
     hdr = scratch + const_word(meta + M_HDR)
@@ -432,7 +452,8 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
             elif fam == 2:                                 # mat_a: matrix a0, tiles a1 .. a1 + a2 - 1, producer a3, K slice a4
                 ok, rdy = _mat_a_task(W_qa, S_qa, W_kva, S_kva, W_ix, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy,
                                       pid, tag, hdr, timeout_ns, fault_site, H, QL, C, DI, NI, NA, ROWS_PAD, BLOCK_N,
-                                      BLOCK_K, PF_K, NUM_STAGES, ACT_F32, KS_A)
+                                      BLOCK_K, PF_K, NUM_STAGES, ACT_F32, KS_A, ln1, eps, NEXTN, KS_EH, SLOT_K,
+                                      NORM_BLOCK)
             elif fam == 3:                                 # dsa_norm: row a0, producer a1
                 ok, rdy = _dsa_norm_task(positions, slots, latent, lat_ss, pool_keys, pk_ss, tail, tail_ss, qa_ln, kva_ln,
                                          kn_w, kn_b, ape, scratch, meta, rows, width, a0, a1, rdy, pid, tag, hdr,
@@ -521,7 +542,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                     l2_prefetch_rows(W_eh + a4 * KL_EH, a1 * BLOCK_N, H, 2 * H, BLOCK_N)
                     xp = f32_at(scratch, meta, M_X0) + (1 + a4) * width * H     # plane a4 (x0's plane 0: x)
                     if EH_FOLD:                            # this CTA's slot: rows of the slice, KL_EH apart
-                        xs = act_at(scratch, meta, M_EIN, ACT_F32) + pid * width * KL_EH
+                        xs = act_at(scratch, meta, M_EIN, ACT_F32) + pid * width * SLOT_K
                         tl.debug_barrier()                 # a previous eh task of this CTA read its slot
                         eh_x_slice(tokens, embed_w, hid, enorm, hnorm, xs, rows, a4 * KL_EH, eps, H, KL_EH, ROWS_PAD,
                                    NORM_BLOCK)
