@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm53_flash.launches.nextn import NextnLaunch
+from glm53_flash.launches.nextn import NextnLaunch, norm_folds
 from glm53_flash.launches.sparse import layer_caches
-from glm53_flash.launches.sparse_layer import AIN_FOLD, EH_FOLD
 from sync import HandoffTimeout
 from test_launch_dense import TOL_BF16, rel, rel_rows, tiny_ref  # noqa: F401 (fixture)
 from test_launch_sparse import gpu_matrix
@@ -55,7 +54,8 @@ def test_nextn_vs_reference(tiny_cfg, tiny_weights, tiny_ref, gen, one_thread, m
     so = tiny_ref.nextn_step(cr, hid, nt, torch.tensor(lengths), trace=tr)
     ck = caches.clone()
     L = NextnLaunch(tiny_cfg, tiny_weights, width=width, max_len=MAX_LEN)
-    assert L.kg == (kg or L.kg) and list(L.sites) == NextnLaunch.site_names(1, down_groups=L.kg)
+    assert L.kg == (kg or L.kg) and list(L.sites) == NextnLaunch.site_names(1, down_groups=L.kg, width=width)
+    assert (L.eh_fold, L.ain_fold) == norm_folds(width)
     logits, tokens, n = L.run(hid, nt, *layer_caches(ck, caches.n_dsa), lengths)
     d = caches.n_dsa
     rows = len(lengths)
@@ -83,8 +83,8 @@ def test_nextn_fault_sites_then_clean(tiny_cfg, tiny_weights, tiny_ref, gen, one
     # the sites of the mixer and the MoE are the sparse launch's (every one is faulted there, same
     # kernel): here the NextN-only ones, one shared one, and the tail launch's first
     own = [f"nextn.{n}" for n in ("x", "att", "hp2", "a", "z")]
-    own = ([] if EH_FOLD else ["nextn.ein"]) + own                   # GLM53_EH_FOLD=0: the eh_in task's box
-    own += [] if AIN_FOLD else ["nextn.a_in"]                        # GLM53_AIN_FOLD=0: ln_row 0's
+    own = ([] if L.eh_fold else ["nextn.ein"]) + own                 # without the eh fold: the eh_in task's box
+    own += [] if L.ain_fold else ["nextn.a_in"]                      # without the ain fold: ln_row 0's
     assert set(own) <= set(L.sites)
     for site in own + tail_sites[:1]:
         c = caches.clone()
@@ -102,7 +102,7 @@ import json, sys
 import torch
 sys.path.insert(0, "tests")
 from glm53_flash.config import preset
-from glm53_flash.launches.nextn import NextnLaunch
+from glm53_flash.launches.nextn import NextnLaunch, norm_folds
 from glm53_flash.launches.sparse import layer_caches
 from glm53_flash.reference.model import ReferenceModel
 from glm53_flash.weights import RandomWeights
@@ -132,10 +132,10 @@ print(json.dumps(faults))
 @pytest.mark.parametrize("ks", ["1", "4"])
 def test_nextn_norm_folds_same_bits(tmp_path, ks):
     """eh_proj's tasks norming their own K slice of [enorm(embed(t)) | hnorm(h)] (GLM53_EH_FOLD=1) and qkv_a's
-    tasks their own K slice of input_layernorm(x) (GLM53_AIN_FOLD=1; both read at import: one subprocess a
-    value) give the bits of the norm tasks a row that they waited on (=0): rms_row's and rms_row_planes'
-    operations on the same values. Two rows (the token of each row), eh_proj unsplit (a slice across both
-    halves) and in 4 K slices (a slice inside one half), NaN-poisoned scratch, a fault at x named in both."""
+    tasks their own K slice of input_layernorm(x) (GLM53_AIN_FOLD=1; forced both ways, one subprocess a value)
+    give the bits of the norm tasks a row that they waited on (=0): rms_row's and rms_row_planes' operations on
+    the same values. Two rows (the token of each row), eh_proj unsplit (a slice across both halves) and in 4 K
+    slices (a slice inside one half), NaN-poisoned scratch, a fault at x named in both."""
     import json
     import os
     import subprocess
@@ -157,6 +157,21 @@ def test_nextn_norm_folds_same_bits(tmp_path, ks):
     for k in ("n", "z", "latent"):
         assert bool(torch.isfinite(res["1"][k]).all()), k
         assert torch.equal(res["0"][k], res["1"][k]), k
+
+
+def test_nextn_norm_folds_by_width(monkeypatch):
+    # folded at width 1 (s21B: -5 us at 1 row, +19.6 at 8: a folding task norms the rows one after another);
+    # the switches force either way and refuse other values
+    monkeypatch.delenv("GLM53_EH_FOLD", raising=False)
+    monkeypatch.delenv("GLM53_AIN_FOLD", raising=False)
+    assert norm_folds(1) == (True, True) and norm_folds(2) == norm_folds(8) == (False, False)
+    assert "nextn.ein" not in NextnLaunch.site_names(8, width=1) and "nextn.a_in" in NextnLaunch.site_names(8, width=2)
+    monkeypatch.setenv("GLM53_AIN_FOLD", "1")
+    monkeypatch.setenv("GLM53_EH_FOLD", "0")
+    assert norm_folds(8) == (False, True) and norm_folds(1) == (False, True)
+    monkeypatch.setenv("GLM53_EH_FOLD", "yes")
+    with pytest.raises(ValueError, match="GLM53_EH_FOLD='yes' must be 0, 1 or unset"):
+        norm_folds(1)
 
 
 def test_nextn_rejects(tiny_cfg, tiny_weights):

@@ -226,8 +226,9 @@ def test_sparse_registered():
     from glm53_flash.launches import available, sites
     assert {"sparse", "nextn"} <= set(available())
     assert sites("sparse") == SparseLaunch.site_names(1) and sites("sparse", tp=8)[-1] == "sparse.xd"
-    from glm53_flash.launches.sparse_layer import EH_FOLD
-    assert sites("nextn")[0] == ("nextn.x" if EH_FOLD else "nextn.ein") and sites("nextn")[-1] == "nextn.z"
+    from glm53_flash.launches.nextn import norm_folds
+    assert sites("nextn")[0] == ("nextn.x" if norm_folds(1)[0] else "nextn.ein") and sites("nextn")[-1] == "nextn.z"
+    assert sites("nextn", width=8)[0] == ("nextn.x" if norm_folds(8)[0] else "nextn.ein")
 
 
 def test_sparse_bad_inputs(tiny_cfg, tiny_weights, tiny_ref, gen):

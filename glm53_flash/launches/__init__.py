@@ -51,8 +51,9 @@ def sites(kind: str, tp: int = 1, **options) -> list[str]:
     model; 64 on the tiny preset) or block_v_split (True when the KDA value blocks are narrower than a head,
     which adds the `oraw` site). Layer kinds (KDA and DSA): oproj_split and down_groups, the K slices of
     o_proj (> 1 adds `xo` at TP 1) and of the down GEMV / MoE expert groups (> 1 adds `dp`); a launch
-    chooses them from its shapes (1 by default here; the real model's TP1 launches split both). A built
-    launch's own list is `launch.sites`."""
+    chooses them from its shapes (1 by default here; the real model's TP1 launches split both). NextN: width
+    (default 1; wider launches keep their norm tasks, which adds `ein` and `a_in`). A built launch's own list
+    is `launch.sites`."""
     _check_kind(kind)
     cls = _launch_class(kind)
     splits = {k: options.pop(k) for k in ("oproj_split", "down_groups") if k in options}
@@ -66,6 +67,8 @@ def sites(kind: str, tp: int = 1, **options) -> list[str]:
             split = default_block_v(head_dim) < head_dim
         return cls.site_names(tp, block_v_split=split, **splits)
     if kind in _DSA_KINDS:
+        if kind == "nextn" and "width" in options:               # the norm folds are chosen by width
+            splits["width"] = options.pop("width")
         if options:
             raise ValueError(f"sites({kind!r}): unknown options {sorted(options)}")
         return cls.site_names(tp, **splits)

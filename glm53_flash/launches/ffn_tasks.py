@@ -72,11 +72,13 @@ ROUTER_BLOCK_E = 32         # experts per router task (launches/kda.py _ffn_grap
 # GLM53_ROUTER_SLICE / _CK / _PF) was dropped in the nineteenth session: -2.8 / -3.6 us kda TP8 1 row, -5.0 at 8 rows
 # for the slice form (bench/RESULTS.md); the standalone router kernel (kernels/moe.py) keeps its own step loop.
 ROUTER_MIN_CK = MOE_ROUTER_CK
-# GLM53_EXPERT_DIV=2 (A/B timings; default 1): expert items of BLOCK_N / 2 gate and as many up rows with twice the K
-# step, so a pipeline stage holds the same 16 KB and every weight row is read in 256-byte pieces (bf16) instead of
-# 128: the expert stream reached ~2.0 TB/s on the H100 where in_proj (256-byte pieces) reached ~2.6. The K split is
-# then chosen for the smaller tiles (expert_bn, launches/kda.py): 4 slices of 1024 at TP8 instead of 8 of 512.
-EXPERT_DIV: tl.constexpr = tl.constexpr(int(os.environ.get("GLM53_EXPERT_DIV", "1")))
+# GLM53_EXPERT_DIV (default 2 since the twenty-first session; 1 for A/B timings): expert items of BLOCK_N / 2 gate and
+# as many up rows with twice the K step, so a pipeline stage holds the same 16 KB and every weight row is read in
+# 256-byte pieces (bf16) instead of 128: the expert stream reached ~2.0 TB/s on the H100 where in_proj (256-byte
+# pieces) reached ~2.6. The K split is then chosen for the smaller tiles (expert_bn, launches/kda.py): 4 slices of 1024
+# at TP8 instead of 8 of 512. TP8 1 row, H100: kda -0.5..-0.8 us (s19), sparse 8191 -1.1..-1.5, kda FP8 -0.2..+0.3,
+# nextn's block -1.2 (s21B).
+EXPERT_DIV: tl.constexpr = tl.constexpr(int(os.environ.get("GLM53_EXPERT_DIV", "2")))
 if EXPERT_DIV.value not in (1, 2):
     raise ValueError(f"GLM53_EXPERT_DIV={EXPERT_DIV.value} must be 1 or 2")
 

@@ -2,10 +2,10 @@
 trunk's final hidden row, as the sparse launch's kernel built with NEXTN (launches/sparse_layer.py)
 followed by the tail launch for the draft logits.
 
-  x = eh_proj([enorm(embed(t_next)) | hnorm(h)])     stage eh_proj (GEMV tiles in K slices, each task norming its
-                                                     own slice; GLM53_EH_FOLD=0: an eh_in stage a row first)
-  y = x + DSA(input_layernorm(x))                    the sparse launch's DSA mixer (its qkv_a tasks norm their own
-                                                     K slice of x; GLM53_AIN_FOLD=0: an ln_row 0 task a row), o_proj + x
+  x = eh_proj([enorm(embed(t_next)) | hnorm(h)])     stage eh_proj (GEMV tiles in K slices; at width 1 each task
+                                                     norms its own slice, else an eh_in stage a row first)
+  y = x + DSA(input_layernorm(x))                    the sparse launch's DSA mixer (at width 1 its qkv_a tasks norm
+                                                     their own K slice of x, else an ln_row 0 task a row), o_proj + x
   z = y + MoE(post_attention_layernorm(y))           ln_row 1, the KDA / sparse launches' MoE, down + y
   n = shared_head.norm(z)                            ln_row 2 -> n (the recycled hidden row of chained drafts)
   logits = lm_head(shared_head.norm(z))              TailLaunch on z as 4 equal streams with the
@@ -16,8 +16,8 @@ same all-or-nothing argument (launches/sparse.py docstring). Why the logits are 
 tail launch already streams lm_head at its measured speed with its argmax across CTAs and ranks;
 folding it in would make this kernel carry the tail's register-heavy GEMV too.
 
-Wait sites (schedule order; TP > 1 adds xo after o and xd before z; GLM53_EH_FOLD=0 adds ein first,
-GLM53_AIN_FOLD=0 a_in after x): x, ya, qr, q, hs0..hs3,
+Wait sites (schedule order; TP > 1 adds xo after o and xd before z; without the folds (norm_folds: widths > 1)
+ein comes first and a_in after x): x, ya, qr, q, hs0..hs3,
 idx, ql, att, o, hp2, a, rl, h, xe, z (`nextn.<region>`); the tail launch's own (`tail.*`) follow.
 
 Host API:
@@ -30,6 +30,7 @@ Host API:
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -37,7 +38,23 @@ from ..weights import LM_HEAD, PREFIX
 from .base import interpreting
 from .layer_host import rank_tensors
 from .sparse import SparseLaunch
-from .sparse_layer import AIN_FOLD, EH_FOLD
+
+# The norm folds (s21B, H100, TP8 bf16): each eh_proj task norms its own K slice of the input, each qkv_a task its own
+# K slice of input_layernorm(x), instead of a norm task a row that they wait on. 1 row: nextn -5.0 us; 8 rows: +19.6
+# (a folding task norms the rows one after another, the norm tasks ran a row each in parallel). The same bits.
+FOLD_MAX_WIDTH = 1
+
+
+def norm_folds(width: int) -> tuple[bool, bool]:
+    """(eh fold, ain fold) of a NextN launch of this width: folded up to FOLD_MAX_WIDTH rows; GLM53_EH_FOLD /
+    GLM53_AIN_FOLD = 1 or 0 force one (A/B runs)."""
+    out = []
+    for name in ("GLM53_EH_FOLD", "GLM53_AIN_FOLD"):
+        v = os.environ.get(name, "")
+        if v not in ("", "0", "1"):
+            raise ValueError(f"{name}={v!r} must be 0, 1 or unset (by width)")
+        out.append(width <= FOLD_MAX_WIDTH if v == "" else v == "1")
+    return out[0], out[1]
 
 
 class NextnLaunch(SparseLaunch):
@@ -45,7 +62,6 @@ class NextnLaunch(SparseLaunch):
 
     kind = "nextn"
     NEXTN = True
-    ain_box = "x" if AIN_FOLD else "a_in"      # qkv_a's tasks norm their own K slice of x (sparse_layer AIN_FOLD)
 
     def __init__(self, cfg, source, layer: int | None = None, *, logits: bool = True, tail_options: dict | None = None,
                  **kw):
@@ -54,6 +70,8 @@ class NextnLaunch(SparseLaunch):
         layer = cfg.num_hidden_layers if layer is None else layer
         if layer != cfg.num_hidden_layers:
             raise ValueError(f"nextn: layer={layer}: the MTP block is layer {cfg.num_hidden_layers}")
+        w = kw.get("width", 1)
+        self.eh_fold, self.ain_fold = norm_folds(w if isinstance(w, int) else 1)   # a bad width: refused below
         super().__init__(cfg, source, layer, **kw)
         self.X_out = torch.full((self.width, self.H), float("nan"), device=self.device)
         self.n_out = torch.full((self.width, self.H), float("nan"), device=self.device)
@@ -85,8 +103,10 @@ class NextnLaunch(SparseLaunch):
 
     # ------------------------------------------------------------------ plan
     @classmethod
-    def site_names(cls, tp_size: int = 1, down_groups: int = 1, oproj_split: int = 1, **_) -> list[str]:
-        s = ([] if EH_FOLD else ["ein"]) + ["x"] + ([] if AIN_FOLD else ["a_in"])
+    def site_names(cls, tp_size: int = 1, down_groups: int = 1, oproj_split: int = 1, width: int = 1,
+                   **_) -> list[str]:
+        eh_fold, ain_fold = norm_folds(width)
+        s = ([] if eh_fold else ["ein"]) + ["x"] + ([] if ain_fold else ["a_in"])
         s += ["ya", "qr", "q", "hs0", "hs1", "hs2", "hs3", "idx", "ql", "att", "o"]
         s += (["xo"] if tp_size > 1 or oproj_split > 1 else []) + ["hp2", "a", "rl", "hg", "sel", "xe", "h"]
         s += (["dp"] if down_groups > 1 else []) + (["xd"] if tp_size > 1 else [])
@@ -95,14 +115,14 @@ class NextnLaunch(SparseLaunch):
     def _graph_pre(self, g) -> None:
         W, H = self.width, self.H
         self.block_c, self.gate_bh, self.npart1, self.npart2 = 32, min(512, H), 1, 1
-        if not EH_FOLD:                  # GLM53_EH_FOLD=0: the normed input a task a row, which the tiles wait on
+        if not self.eh_fold:             # the normed input a task a row, which the tiles wait on
             g.stage("eh_in")
             for r in range(W):
                 g.add("eh_in", (r, r), writes=("ein",), nbytes=2 * H * 2)
             self.n_box["ein"] = W
         g.stage("eh_proj")
-        self._mat_stage(g, "eh", [(0, H, 2 * H * 2)], () if EH_FOLD else ("ein",), "x", self.ks_eh)
-        if not AIN_FOLD:                 # GLM53_AIN_FOLD=0: input_layernorm a task a row, which qkv_a waits on
+        self._mat_stage(g, "eh", [(0, H, 2 * H * 2)], () if self.eh_fold else ("ein",), "x", self.ks_eh)
+        if not self.ain_fold:            # input_layernorm a task a row, which qkv_a waits on
             g.stage("ln_in")
             for r in range(W):
                 g.add("ln_row", (r, 0, r), reads=("x",), writes=("a_in",), nbytes=H * 4)

@@ -59,8 +59,7 @@ from .kda import KdaLaunch
 from .base import check_rank_width, interpreting
 from .ffn_tasks import ROUTER_BLOCK_E
 from .layer_host import ROWS_PAD, _ranges, rank_tensors
-from .sparse_layer import (AIN_FOLD, BOXES, CACHE_ALIGN_ELEMS, EH_FOLD, FAMILIES, META, META_WORDS, ROWS_REGIONS,
-                           sparse_layer_kernel)
+from .sparse_layer import BOXES, CACHE_ALIGN_ELEMS, FAMILIES, META, META_WORDS, ROWS_REGIONS, sparse_layer_kernel
 
 T_MAX_LIMIT = 16        # selection tasks per row (kernels/indexer.py: registers measured at T_MAX 16)
 
@@ -85,7 +84,7 @@ class SparseLaunch(KdaLaunch):
                                 # has a task on every CTA, and the coef CTA's waited for the Sinkhorn
 
     kind = "sparse"
-    ain_box = "a_in"            # what qkv_a's tasks wait on (NextN with AIN_FOLD: x, eh_proj's planes)
+    eh_fold = ain_fold = False  # NextN's input norms folded into their GEMV tasks (nextn.py norm_folds)
 
     def __init__(self, cfg, source, layer: int, *, tp_rank: int = 0, tp_size: int = 1, width: int = 1, device=None,
                  grid: int | None = None, scales: Mapping | None = None, max_len: int = 4096, timeout_s: float = 1.0,
@@ -251,7 +250,8 @@ class SparseLaunch(KdaLaunch):
         wb = lambda t: t.element_size()                                            # noqa: E731
         g.stage("qkv_a")
         self._mat_stage(g, "mat_a", [(0, self.QL, H * wb(self.W_qa)), (1, self.C, H * wb(self.W_kva)),
-                                     (2, 2 * self.DI + self.NI, H * 2)], (self.ain_box,), "ya", self.ks_a)
+                                     (2, 2 * self.DI + self.NI, H * 2)], ("x" if self.ain_fold else "a_in",), "ya",
+                       self.ks_a)
         g.stage("dsa_norm")
         for r in range(W):
             g.add("dsa_norm", (r, r), reads=("ya",), writes=("qr",), nbytes=self.ks_a * self.NA * 4)
@@ -330,10 +330,11 @@ class SparseLaunch(KdaLaunch):
         pl.rows("o_rows", (W, NH * self.DV), bf)
         self._plan_ffn_rows(pl)
         nx = self.NEXTN
-        # NextN's normed eh_proj input: a slot a CTA (width rows of the widest K slice its eh (EH_FOLD) and qkv_a
-        # (AIN_FOLD) tasks norm into it; the kernel's SLOT_K), else the whole rows
+        # NextN's normed eh_proj input: a slot a CTA (width rows of the widest K slice its eh (eh_fold) and qkv_a
+        # (ain_fold) tasks norm into it; the kernel's SLOT_K), else the whole rows
         slot_k = max(2 * H // self.ks_eh, H // self.ks_a)
-        pl.rows("ein_rows", ((self.grid * W, slot_k) if EH_FOLD or AIN_FOLD else (W, 2 * H)) if nx else (1,), bf)
+        fold = self.eh_fold or self.ain_fold
+        pl.rows("ein_rows", ((self.grid * W, slot_k) if fold else (W, 2 * H)) if nx else (1,), bf)
         pl.rows("x0", ((1 + self.ks_eh) * W, H) if nx else (1,), f32)      # x, then eh_proj's K-slice planes
         self._plan_boxes(pl)
 
@@ -374,6 +375,7 @@ class SparseLaunch(KdaLaunch):
                      K_PAD=triton.next_power_of_2(self.KE), RENORM=bool(cfg.norm_topk_prob), BLOCK_E=ROUTER_BLOCK_E, RCK=self.router_ck,
                      NEXTN=self.NEXTN, TRACE=self.trace_args()[1], KS_GU=self.ks_gu, KS_E=self.ks_e, KG=self.kg, KS_O=self.ks_o,
                      **dict(zip(("NS_PAD", "SB"), join_chunk(sp.n_splits, self.C))), KS_A=self.ks_a, KS_EH=self.ks_eh,
+                     EH_FOLD=self.eh_fold, AIN_FOLD=self.ain_fold,
                      Q_PAD=triton.next_power_of_2(self.QL), C_PAD=triton.next_power_of_2(self.C),
                      NI_PAD=triton.next_power_of_2(self.NI))
         return args, const

@@ -22,15 +22,14 @@ tiles and row norms calls. Stages (every hand-off is plain rows + a box; every w
  13.. gate_ffn, moe_route (router, shared gate|up), experts, down (+ down_sum): the KDA launch's MoE.
 Pad rows (rows <= r < width) compute and write nothing (no cache writes either) but still signal.
 NEXTN (the MTP block, launches/nextn.py; no mHC): stages 0-1 become eh (eh_proj tiles in KS_EH K slices, each
-first norming its own slice of [enorm(embed(t)) | hnorm(h)] (EH_FOLD; GLM53_EH_FOLD=0: an eh_in task a row norms
-the whole input and the tiles wait on it) -> x0's planes 1..KS_EH, box x) -> qkv_a's tasks wait on x, each
-norming its own K slice of input_layernorm(x) (the planes joined in order; producer 0 stores x0's plane 0) into
-its CTA's slot (AIN_FOLD; GLM53_AIN_FOLD=0: an ln_row 0 task a row -> a_in); o_proj adds x (y = x + attn,
+first norming its own slice of [enorm(embed(t)) | hnorm(h)] into its CTA's slot (EH_FOLD; else an eh_in task a
+row norms the whole input and the tiles wait on it) -> x0's planes 1..KS_EH, box x) -> qkv_a's tasks wait on x,
+each norming its own K slice of input_layernorm(x) (the planes joined in order; producer 0 stores x0's plane 0)
+into its CTA's slot (AIN_FOLD; else an ln_row 0 task a row -> a_in). The folds are the host's choice by width
+(nextn.py norm_folds); o_proj adds x (y = x + attn,
 xmid) instead of hc_post; ln_row 1 (post_attention_layernorm) replaces gate_ffn; down adds y
 (z = y + ffn -> X_out [width, H]) and signals z; ln_row 2 writes n = shared_head.norm(z).
 """
-import os
-
 import triton
 import triton.language as tl
 
@@ -58,12 +57,6 @@ META, META_WORDS = meta_layout(BOXES, ROWS_REGIONS)
 
 (B_YA, B_QR, B_Q, B_QL, B_HS0, B_HS1, B_HS2, B_HS3, B_IDX, B_ATT, B_EIN, B_X, B_Z) = (
     tl.constexpr(BOXES.index(n)) for n in BOXES[len(COMMON_BOXES):])
-# NextN: each eh_proj task norms its own K slice of the input into its CTA's ein_rows slot (no eh_in task: its
-# 7.7 us at the launch's start was a wait of every eh task, s20A); GLM53_EH_FOLD=0 for the A/B
-EH_FOLD: tl.constexpr = tl.constexpr(os.environ.get("GLM53_EH_FOLD", "1") != "0")
-# NextN: qkv_a's tasks wait on x (eh_proj's planes) and norm their own K slice of input_layernorm(x) into their
-# CTA's slot (no ln_row 0 task and its hop between eh_proj and qkv_a); GLM53_AIN_FOLD=0 for the A/B
-AIN_FOLD: tl.constexpr = tl.constexpr(os.environ.get("GLM53_AIN_FOLD", "1") != "0")
 CACHE_ALIGN_ELEMS = 8      # the caches' slot strides are multiples of it (elements; sparse.py set_input checks)
 
 
@@ -91,7 +84,7 @@ def _mat_a_task(W_qa, S_qa, W_kva, S_kva, W_ix, scratch, meta, rows, width, a0, 
                 NI: tl.constexpr, NA: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, PF_K: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_F32: tl.constexpr,
                 KS: tl.constexpr, ln1, eps, NEXTN: tl.constexpr, KS_EH: tl.constexpr, SLOT_K: tl.constexpr,
-                NORM_BLOCK: tl.constexpr):
+                NORM_BLOCK: tl.constexpr, AIN_FOLD: tl.constexpr):
     """mat_a: matrix a0 (q_a, kv_a, the indexer's wk | gate | weights_proj), tiles a1 .. a1 + a2 - 1, K slice
     a4 of KS -> ya plane a4 ([KS, width, NA] fp32, joined by dsa_norm); producer a3. The first tile's
     lines of the slice toward L2 before the wait. NEXTN with AIN_FOLD: waits on x (eh_proj's planes) and norms
@@ -417,7 +410,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                         RCK: tl.constexpr, NEXTN: tl.constexpr, TRACE: tl.constexpr, KS_GU: tl.constexpr,
                         KS_E: tl.constexpr, KG: tl.constexpr, NS_PAD: tl.constexpr, SB: tl.constexpr,
                         KS_A: tl.constexpr, Q_PAD: tl.constexpr, C_PAD: tl.constexpr, NI_PAD: tl.constexpr,
-                        KS_O: tl.constexpr, KS_EH: tl.constexpr):
+                        KS_O: tl.constexpr, KS_EH: tl.constexpr, EH_FOLD: tl.constexpr, AIN_FOLD: tl.constexpr):
     pid = tl.program_id(0)
     DO: tl.constexpr = NH * DV
     # NextN's CTA slot (ein_rows): width rows of the widest K slice a folding task norms into it (eh, mat_a)
@@ -453,7 +446,7 @@ def sparse_layer_kernel(table, starts, meta, scratch, xo, xd, peer_o, peer_d, X,
                 ok, rdy = _mat_a_task(W_qa, S_qa, W_kva, S_kva, W_ix, scratch, meta, rows, width, a0, a1, a2, a3, a4, rdy,
                                       pid, tag, hdr, timeout_ns, fault_site, H, QL, C, DI, NI, NA, ROWS_PAD, BLOCK_N,
                                       BLOCK_K, PF_K, NUM_STAGES, ACT_F32, KS_A, ln1, eps, NEXTN, KS_EH, SLOT_K,
-                                      NORM_BLOCK)
+                                      NORM_BLOCK, AIN_FOLD)
             elif fam == 3:                                 # dsa_norm: row a0, producer a1
                 ok, rdy = _dsa_norm_task(positions, slots, latent, lat_ss, pool_keys, pk_ss, tail, tail_ss, qa_ln, kva_ln,
                                          kn_w, kn_b, ape, scratch, meta, rows, width, a0, a1, rdy, pid, tag, hdr,
