@@ -4,8 +4,8 @@ Triton compiles for Hopper here and its wheel's ptxas reports), so a build that 
 without a GPU.
 
 A kernel is compiled once per (kind, TP, format): the batch width is a runtime argument of the layer kernels
-(rows padded to 8 in every build), so widths 1/2/4/8 share a build; the tail kernel alone changes with the
-width (XR 4 up to 4 rows, 8 above, and its register cap). The constexprs are the launches' own at the real
+(rows padded to 8 in every build), so widths 1/2/4/8 share a build; the tail kernel changes with the width (XR 4
+up to 4 rows, 8 above, and its register cap), and nextn's with its norm folds (width 1 folded, wider not). The constexprs are the launches' own at the real
 config (H 4096, 64 KDA heads / TP x 128, dense 12288 / MoE 288 x 2048 top-8 / TP, DSA latent 512) and the
 K splits the launches choose (schedule.py choose_k_split / choose_groups); the register cap is the launch's.
 CTAs per SM: schedule.max_resident_ctas for the compiled registers, warps and shared memory, beside the
@@ -72,10 +72,11 @@ def layer_spec(kind: str, tp: int, fp8: bool, warps: int = 4, maxnreg: int | Non
             {"maxnreg": cap} if cap else {}]
 
 
-def dsa_spec(kind: str, tp: int, fp8: bool, warps: int = 4, block_t: int | None = None) -> list:
+def dsa_spec(kind: str, tp: int, fp8: bool, warps: int = 4, block_t: int | None = None, width: int = 1) -> list:
     """sm90_regs spec of sparse_layer_kernel (kind sparse / nextn) at the real shapes: the argument types from a
     tiny launch's kernel_args (the same arguments), the constexprs as SparseLaunch.kernel_args gives them at the
-    real config. Needs the interpreter (TRITON_INTERPRET=1) for the tiny launch."""
+    real config (nextn: the norm folds of `width`, launches/nextn.py norm_folds). Needs the interpreter
+    (TRITON_INTERPRET=1) for the tiny launch."""
     import torch
 
     from .config import preset
@@ -120,6 +121,8 @@ def dsa_spec(kind: str, tp: int, fp8: bool, warps: int = 4, block_t: int | None 
     real.update(KS_GU=ks["KS_GU"], KS_E=ks["KS_E"], KG=ks["KG"], KS_O=ks["KS_O"], Q_PAD=2048, C_PAD=512, NI_PAD=32,
                 KS_A=choose_k_split(-(-2336 // 64), 4096 // 128, 64 * 128 * (1 if fp8 else 2)),   # sparse.py ks_a
                 KS_EH=choose_k_split(4096 // 64, 8192 // 128, 64 * 128 * 2) if kind == "nextn" else 1)  # ks_eh (bf16)
+    from .launches.nextn import norm_folds
+    real.update(zip(("EH_FOLD", "AIN_FOLD"), norm_folds(width) if kind == "nextn" else (False, False)))
     del real["MOE"]
     if set(real) != set(const):
         raise RuntimeError(f"sparse_layer_kernel's constexprs changed: {sorted(set(real) ^ set(const))}")
@@ -182,9 +185,25 @@ def builds(kinds=KINDS, tps=(1, 2, 4, 8), fmts=("bf16", "fp8"), warps: int = 4) 
                                     spec=tail_spec(fp8, widths[0], warps)))
                 continue
             for tp in tps:
-                spec = layer_spec(kind, tp, fp8, warps) if kind in LAYER_KINDS else dsa_spec(kind, tp, fp8, warps)
-                out.append(dict(kind=kind, tp=str(tp), fmt=fmt, widths=(1, 2, 4, 8), spec=spec))
+                if kind in LAYER_KINDS:
+                    out.append(dict(kind=kind, tp=str(tp), fmt=fmt, widths=(1, 2, 4, 8),
+                                    spec=layer_spec(kind, tp, fp8, warps)))
+                    continue
+                for widths in _fold_classes(kind):             # nextn: the norm folds by width, a build each
+                    out.append(dict(kind=kind, tp=str(tp), fmt=fmt, widths=widths,
+                                    spec=dsa_spec(kind, tp, fp8, warps, width=widths[0])))
     return out
+
+
+def _fold_classes(kind: str) -> list[tuple]:
+    """The widths 1/2/4/8 grouped by NextN's norm folds (one kernel each; sparse: one group)."""
+    if kind != "nextn":
+        return [(1, 2, 4, 8)]
+    from .launches.nextn import norm_folds
+    groups: dict = {}
+    for w in (1, 2, 4, 8):
+        groups.setdefault(norm_folds(w), []).append(w)
+    return [tuple(g) for g in groups.values()]
 
 
 def report_rows(blds: list[dict], stats: list[dict], n_sm: int = N_SM) -> list[dict]:

@@ -56,6 +56,18 @@ def test_builds_share_widths_except_the_tail():
     assert blds[2]["spec"][6] == {"maxnreg": tail.DEFAULT_MAXNREG}       # the tail's own cap, not the layers'
 
 
+def test_nextn_builds_follow_its_norm_folds(monkeypatch):
+    # nextn's kernel differs by its norm folds (folded at width 1 only): a build a fold class, its constexprs the
+    # launch's; sparse keeps one build for every width
+    monkeypatch.delenv("GLM53_EH_FOLD", raising=False)
+    monkeypatch.delenv("GLM53_AIN_FOLD", raising=False)
+    assert br._fold_classes("nextn") == [(1,), (2, 4, 8)] and br._fold_classes("sparse") == [(1, 2, 4, 8)]
+    monkeypatch.setenv("GLM53_EH_FOLD", "0")
+    assert br._fold_classes("nextn") == [(1,), (2, 4, 8)]                  # the ain fold still splits them
+    monkeypatch.setenv("GLM53_AIN_FOLD", "0")
+    assert br._fold_classes("nextn") == [(1, 2, 4, 8)]
+
+
 def test_layer_register_cap_follows_residency(monkeypatch):
     from glm53_flash.launches.layer_host import maxnreg_for
     monkeypatch.delenv("GLM53_MAXNREG", raising=False)
