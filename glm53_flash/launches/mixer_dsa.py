@@ -38,8 +38,7 @@ def eh_x_slice(tokens, embed_w, hid, enorm, hnorm, dst, rows, k0, eps, H: tl.con
                ROWS_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """dst[r, c - k0] = [enorm(embed(tokens[r])) | hnorm(hid[r])][c] for k0 <= c < k0 + KL, r < rows (dst rows KL
     apart): an eh_proj task's own K slice of NextN's normed input, by rms_row's arithmetic (the bits of the
-    eh_in task's row). Only the halves the slice touches; two rows a step, their loads in flight together (a row
-    a step cost ~2.5 us a row on every task's path, s21B)."""
+    eh_in task's row). Only the halves the slice touches: one row load a row after the tokens and weights."""
     tl.static_assert(H <= BLOCK)
     offs = tl.arange(0, BLOCK)
     m = offs < H
@@ -55,19 +54,13 @@ def eh_x_slice(tokens, embed_w, hid, enorm, hnorm, dst, rows, k0, eps, H: tl.con
             keep = m & (c >= k0) & (c < k0 + KL)
             r = 0
             while r < rows:
-                r1 = r + 1
-                if half == 0:                          # the embedding rows of tokens r, r + 1
-                    s0 = embed_w + tl.sum(tl.where(ro == r, toks, 0), axis=0) * H
-                    s1 = embed_w + tl.sum(tl.where(ro == r1, toks, 0), axis=0) * H
+                if half == 0:                          # the embedding row of token r
+                    src = embed_w + tl.sum(tl.where(ro == r, toks, 0), axis=0) * H
                 else:
-                    s0 = hid + r * H
-                    s1 = hid + r1 * H
-                x0 = tl.load(s0 + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-                x1 = tl.load(s1 + offs, mask=m & (r1 < rows), other=0.0, cache_modifier=".cg").to(tl.float32)
-                tl.store(dst + r * KL + (c - k0), (_rms(x0, H, eps) * wv).to(dst.dtype.element_ty), mask=keep)
-                tl.store(dst + r1 * KL + (c - k0), (_rms(x1, H, eps) * wv).to(dst.dtype.element_ty),
-                         mask=keep & (r1 < rows))
-                r += 2
+                    src = hid + r * H
+                x = tl.load(src + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+                tl.store(dst + r * KL + (c - k0), (_rms(x, H, eps) * wv).to(dst.dtype.element_ty), mask=keep)
+                r += 1
 
 
 @triton.jit
@@ -90,8 +83,7 @@ def rms_slice_planes(src, plane_stride, KS: tl.constexpr, w, dst, joined, join, 
     """rms_row_planes for rows r < rows (src rows N apart), keeping only columns [k0, k0 + KL) of the normed row:
     dst[r, c - k0] (dst rows KL apart), a consumer GEMV task's own K slice of the row instead of a norm task's
     hop; join != 0: the joined row to joined [rows, N] too (one task of the consumers). rms_row_planes'
-    operations (the planes added in plane order), so the bits of the norm task's row; two rows a step, every
-    plane of both in flight together (one round trip a step)."""
+    operations, so the bits of the norm task's row; one round trip a row."""
     tl.static_assert(N <= BLOCK)
     offs = tl.arange(0, BLOCK)
     m = offs < N
@@ -99,19 +91,10 @@ def rms_slice_planes(src, plane_stride, KS: tl.constexpr, w, dst, joined, join, 
     wv = tl.load(w + offs, mask=m, other=0.0).to(tl.float32)
     r = 0
     while r < rows:
-        r1 = r + 1
-        m1 = m & (r1 < rows)
-        x0 = tl.load(src + r * N + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-        x1 = tl.load(src + r1 * N + offs, mask=m1, other=0.0, cache_modifier=".cg").to(tl.float32)
-        for p in tl.static_range(1, KS):
-            x0 += tl.load(src + p * plane_stride + r * N + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-            x1 += tl.load(src + p * plane_stride + r1 * N + offs, mask=m1, other=0.0,
-                          cache_modifier=".cg").to(tl.float32)
-        tl.store(joined + r * N + offs, x0, mask=m & (join != 0))
-        tl.store(joined + r1 * N + offs, x1, mask=m1 & (join != 0))
-        tl.store(dst + r * KL + (offs - k0), (_rms(x0, N, eps) * wv).to(dst.dtype.element_ty), mask=keep)
-        tl.store(dst + r1 * KL + (offs - k0), (_rms(x1, N, eps) * wv).to(dst.dtype.element_ty), mask=keep & (r1 < rows))
-        r += 2
+        x = plane_sum(src + r * N, offs, m, plane_stride, KS)
+        tl.store(joined + r * N + offs, x, mask=m & (join != 0))
+        tl.store(dst + r * KL + (offs - k0), (_rms(x, N, eps) * wv).to(dst.dtype.element_ty), mask=keep)
+        r += 1
 
 
 @triton.jit
