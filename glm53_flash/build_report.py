@@ -5,8 +5,8 @@ without a GPU.
 
 A kernel is compiled once per (kind, TP, format): the batch width is a runtime argument of the layer kernels
 (rows padded to 8 in every build), so widths 1/2/4/8 share a build; the tail kernel changes with the width (XR 4
-up to 4 rows, 8 above, and its register cap), and nextn's with its norm folds (width 1 folded, wider not). The constexprs are the launches' own at the real
-config (H 4096, 64 KDA heads / TP x 128, dense 12288 / MoE 288 x 2048 top-8 / TP, DSA latent 512) and the
+up to 4 rows, 8 above, and its register cap), and nextn's with its norm folds (width 1 folded, wider not). The
+constexprs are the launches' own at the real config (H 4096, 64 KDA heads / TP x 128, dense 12288 / MoE 288 x 2048 top-8 / TP, DSA latent 512) and the
 K splits the launches choose (schedule.py choose_k_split / choose_groups); the register cap is the launch's.
 CTAs per SM: schedule.max_resident_ctas for the compiled registers, warps and shared memory, beside the
 CTAs per SM the launch asks for (launches' default_ctas_per_sm): `fits` says whether that grid is resident.

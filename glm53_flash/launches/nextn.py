@@ -40,7 +40,7 @@ from .layer_host import rank_tensors
 from .sparse import SparseLaunch
 
 # The norm folds (s21B, H100, TP8 bf16): each eh_proj task norms its own K slice of the input, each qkv_a task its own
-# K slice of input_layernorm(x), instead of a norm task a row that they wait on. 1 row: nextn -5.0 us; 8 rows: +19.6
+# K slice of input_layernorm(x), instead of a norm task a row that they wait on. 1 row: nextn -5.0 us; 8 rows: +19.5
 # (a folding task norms the rows one after another, the norm tasks ran a row each in parallel). The same bits.
 FOLD_MAX_WIDTH = 1
 
